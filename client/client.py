@@ -1,0 +1,167 @@
+"""A small typed client for voxserve (or any Open Inference Protocol server), sync and asyncio.
+
+    from voxserve.client import Client
+    with Client("localhost:8001") as c:
+        probs = c.infer(x)          # x: (N, Cin, D, H, W) float array -> (N, Cout) float32
+
+Needs only grpcio, protobuf and numpy.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import grpc
+import numpy as np
+
+from voxserve.datatypes import INPUT_DATATYPES, from_wire, to_wire
+from voxserve.proto import pb, pb_grpc
+
+DEFAULT_MODEL = "voxnet"
+DEFAULT_MAX_MESSAGE_BYTES = 512 * 1024 * 1024
+
+
+class InferenceError(Exception):
+    """A failed RPC: the gRPC status code and the server's message."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(f"{code.name}: {message}")
+        self.code = code
+        self.message = message
+
+    @classmethod
+    def from_rpc(cls, exc: grpc.RpcError) -> InferenceError:
+        return cls(exc.code(), exc.details() or "")  # type: ignore[attr-defined]
+
+
+def _channel_options(max_message_bytes: int) -> list[tuple[str, Any]]:
+    return [
+        ("grpc.max_receive_message_length", max_message_bytes),
+        ("grpc.max_send_message_length", max_message_bytes),
+    ]
+
+
+def build_request(x: np.ndarray, model: str, datatype: str, request_id: str = "") -> pb.ModelInferRequest:
+    """A ModelInferRequest carrying ``x`` as raw bytes of ``datatype`` (FP32, FP16 or BF16)."""
+    if datatype not in INPUT_DATATYPES:
+        raise ValueError(f"datatype must be one of {INPUT_DATATYPES}; got {datatype!r}")
+    x = np.asarray(x)
+    request = pb.ModelInferRequest(model_name=model, id=request_id)
+    request.inputs.add(name="input", datatype=datatype, shape=list(x.shape))
+    request.outputs.add(name="output")
+    request.raw_input_contents.append(to_wire(x, datatype))
+    return request
+
+
+def parse_response(response: pb.ModelInferResponse, name: str = "output") -> np.ndarray:
+    """The named output of a response as a float32 array (raw or typed contents)."""
+    for i, tensor in enumerate(response.outputs):
+        if tensor.name != name:
+            continue
+        shape = tuple(tensor.shape)
+        if response.raw_output_contents:
+            return from_wire(response.raw_output_contents[i], tensor.datatype, shape).copy()
+        return np.asarray(tensor.contents.fp32_contents, dtype=np.float32).reshape(shape)
+    raise ValueError(f"response has no output named {name!r}")
+
+
+class Client:
+    """Blocking client over one gRPC channel."""
+
+    def __init__(self, url: str, model: str = DEFAULT_MODEL, timeout_s: float | None = 60.0,
+                 max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> None:
+        self.model = model
+        self.timeout_s = timeout_s
+        self._channel = grpc.insecure_channel(url, options=_channel_options(max_message_bytes))
+        self._stub = pb_grpc.GRPCInferenceServiceStub(self._channel)
+
+    def _call(self, method: str, request: Any) -> Any:
+        try:
+            return getattr(self._stub, method)(request, timeout=self.timeout_s)
+        except grpc.RpcError as exc:
+            raise InferenceError.from_rpc(exc) from None
+
+    def infer(self, x: np.ndarray, datatype: str = "FP32") -> np.ndarray:
+        """Run the model on ``x`` (N, Cin, D, H, W); returns (N, Cout) float32."""
+        return parse_response(self._call("ModelInfer", build_request(x, self.model, datatype)))
+
+    def is_live(self) -> bool:
+        return bool(self._call("ServerLive", pb.ServerLiveRequest()).live)
+
+    def is_ready(self) -> bool:
+        """Server and model ready; False (not an exception) when the server cannot be reached."""
+        try:
+            return bool(self._call("ServerReady", pb.ServerReadyRequest()).ready) and bool(
+                self._call("ModelReady", pb.ModelReadyRequest(name=self.model)).ready)
+        except InferenceError:
+            return False
+
+    def server_metadata(self) -> pb.ServerMetadataResponse:
+        return self._call("ServerMetadata", pb.ServerMetadataRequest())
+
+    def model_metadata(self) -> pb.ModelMetadataResponse:
+        return self._call("ModelMetadata", pb.ModelMetadataRequest(name=self.model))
+
+    def model_config(self) -> Any:
+        return self._call("ModelConfig", pb.ModelConfigRequest(name=self.model)).config
+
+    def model_statistics(self) -> pb.ModelStatistics:
+        return self._call("ModelStatistics", pb.ModelStatisticsRequest(name=self.model)).model_stats[0]
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class AsyncClient:
+    """asyncio client over one grpc.aio channel; the same calls as Client, awaited."""
+
+    def __init__(self, url: str, model: str = DEFAULT_MODEL, timeout_s: float | None = 60.0,
+                 max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> None:
+        self.model = model
+        self.timeout_s = timeout_s
+        self._channel = grpc.aio.insecure_channel(url, options=_channel_options(max_message_bytes))
+        self._stub = pb_grpc.GRPCInferenceServiceStub(self._channel)
+
+    async def _call(self, method: str, request: Any) -> Any:
+        try:
+            return await getattr(self._stub, method)(request, timeout=self.timeout_s)
+        except grpc.RpcError as exc:
+            raise InferenceError.from_rpc(exc) from None
+
+    async def infer(self, x: np.ndarray, datatype: str = "FP32") -> np.ndarray:
+        return parse_response(await self._call("ModelInfer", build_request(x, self.model, datatype)))
+
+    async def is_live(self) -> bool:
+        return bool((await self._call("ServerLive", pb.ServerLiveRequest())).live)
+
+    async def is_ready(self) -> bool:
+        try:
+            server = await self._call("ServerReady", pb.ServerReadyRequest())
+            model = await self._call("ModelReady", pb.ModelReadyRequest(name=self.model))
+        except InferenceError:
+            return False
+        return bool(server.ready and model.ready)
+
+    async def server_metadata(self) -> pb.ServerMetadataResponse:
+        return await self._call("ServerMetadata", pb.ServerMetadataRequest())
+
+    async def model_metadata(self) -> pb.ModelMetadataResponse:
+        return await self._call("ModelMetadata", pb.ModelMetadataRequest(name=self.model))
+
+    async def model_statistics(self) -> pb.ModelStatistics:
+        return (await self._call("ModelStatistics", pb.ModelStatisticsRequest(name=self.model))).model_stats[0]
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()

@@ -1,0 +1,157 @@
+"""Server lifecycle: bind, load weights, warm up, serve, drain on SIGTERM/SIGINT."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from voxserve.proto import pb, pb_grpc
+
+from . import weights as weights_io
+from .codec import ModelSpec
+from .metrics import Metrics
+from .model import Model, select_device
+from .runner import Runner
+from .service import InferenceService, ServingState
+from .settings import Settings
+
+log = logging.getLogger("voxserve")
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["GRPCInferenceService"].full_name
+
+
+class VoxServer:
+    """One voxserve instance: a grpc.aio server, its model and its metrics.
+
+    Construct it inside the event loop that will run it (grpc.aio binds to that loop).
+
+    ``start()`` binds and returns while the model loads; ``wait_ready()`` waits
+    for the warm-up; ``stop()`` drains. ``run()`` does all three around signals.
+    """
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.state = ServingState(max_batch=settings.max_batch)
+        self.metrics = Metrics(settings.model_name)
+        self.health = health.aio.HealthServicer()
+        options = [
+            ("grpc.max_receive_message_length", settings.max_message_bytes),
+            ("grpc.max_send_message_length", settings.max_message_bytes),
+        ]
+        self.server = grpc.aio.server(options=options, maximum_concurrent_rpcs=settings.max_concurrent_rpcs)
+        self.service = InferenceService(self.state, self.metrics, settings.model_name, settings.model_version)
+        pb_grpc.add_GRPCInferenceServiceServicer_to_server(self.service, self.server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        reflection.enable_server_reflection(
+            (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
+            self.server,
+        )
+        self.port = 0
+        self.metrics_port = -1
+        self._ready = asyncio.Event()
+        self._load_task: asyncio.Task[None] | None = None
+        self.load_error: BaseException | None = None
+
+    async def start(self) -> int:
+        """Bind the ports, start serving (not ready yet) and begin loading the model."""
+        s = self.settings
+        self.port = self.server.add_insecure_port(f"{s.host}:{s.grpc_port}")
+        if self.port == 0:
+            raise OSError(f"could not bind gRPC to {s.host}:{s.grpc_port}")
+        if s.metrics_port >= 0:
+            self.metrics_port = self.metrics.serve_http(s.host, s.metrics_port)
+        await self._set_serving(False)
+        await self.server.start()
+        log.info("listening: gRPC %s:%d, metrics %s", s.host, self.port,
+                 f"{s.host}:{self.metrics_port}" if self.metrics_port >= 0 else "off")
+        self._load_task = asyncio.create_task(self._load())
+        return self.port
+
+    async def _load(self) -> None:
+        s = self.settings
+        try:
+            model = await asyncio.to_thread(self._build_model)
+            self.state.spec = ModelSpec(s.model_name, s.model_version, model.cin, model.cout, model.k,
+                                        s.max_request_samples)
+            self.state.runner = Runner(model, self.state.stats, self.metrics)
+            self.state.device, self.state.kernel = str(model.device), model.kernel
+            self.metrics.set_build(str(model.device), model.kernel)
+            if not self.state.draining:
+                self.state.ready = True
+                await self._set_serving(True)
+                log.info("ready: model '%s' v%s (Cin=%d, Cout=%d, k=%d) on %s with %s", s.model_name,
+                         s.model_version, model.cin, model.cout, model.k, model.device, model.kernel)
+        except Exception as exc:
+            self.load_error = exc
+            log.error("start-up failed: %s", exc)
+        finally:
+            self._ready.set()
+
+    def _build_model(self) -> Model:
+        s = self.settings
+        weights = weights_io.load(s.weights) if s.weights else weights_io.default_weights()
+        log.info("weights: %s (Cout=%d, Cin=%d, k=%d)", weights.source, weights.cout, weights.cin, weights.k)
+        device, kernel = select_device(s.device)
+        model = Model(weights, device, kernel, s.max_batch)
+        err = model.warm_up()
+        log.info("warm-up on %s matched the float64 reference (relative error %.1e)", device, err)
+        return model
+
+    async def wait_ready(self) -> bool:
+        """Wait for start-up to finish; True when the model is ready, False if start-up failed."""
+        await self._ready.wait()
+        return self.load_error is None
+
+    async def _set_serving(self, serving: bool) -> None:
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        for name in ("", SERVICE_NAME):
+            await self.health.set(name, status)
+        self.metrics.model_ready.labels(self.settings.model_name).set(1 if serving else 0)
+
+    async def stop(self, grace_s: float | None = None) -> None:
+        """Drain: refuse new work, report not ready, let in-flight requests finish within the grace period."""
+        grace_s = self.settings.grace_period_s if grace_s is None else grace_s
+        self.state.draining = True
+        self.state.ready = False
+        await self._set_serving(False)
+        await self.health.enter_graceful_shutdown()
+        log.info("draining: up to %.1f s for in-flight requests", grace_s)
+        await self.server.stop(grace_s)
+        if self._load_task is not None and not self._load_task.done():
+            self._load_task.cancel()
+        if self.state.runner is not None:
+            await asyncio.to_thread(self.state.runner.close)
+        log.info("stopped")
+
+    async def run(self) -> int:
+        """Serve until SIGTERM or SIGINT, then drain. Returns the process exit code."""
+        loop = asyncio.get_running_loop()
+        stop = asyncio.Event()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        await self.start()
+        ready_task = asyncio.create_task(self.wait_ready())
+        stop_task = asyncio.create_task(stop.wait())
+        await asyncio.wait({ready_task, stop_task}, return_when=asyncio.FIRST_COMPLETED)
+        if ready_task.done() and not ready_task.result():
+            await self.server.stop(0)
+            return 1
+        await stop_task
+        log.info("signal received")
+        await self.stop()
+        return 0
+
+
+def serve(settings: Settings) -> int:
+    """Run a server in this process until it is signalled; the CLI's `serve`."""
+    logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+    async def main() -> int:
+        return await VoxServer(settings).run()
+
+    return asyncio.run(main())

@@ -1,0 +1,144 @@
+"""The served model: weights on a device, the fused op, and the warm-up check that gates readiness.
+
+No gRPC here: the service layer translates requests into ``Model.run`` calls.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import warnings
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from voxserve import kernels
+from voxserve.kernels import cuda as cuda_kernels
+
+from .weights import Weights
+
+log = logging.getLogger(__name__)
+
+# fp32 end to end: the fused path and the CPU path must both stay within this of float64.
+FP32_TOLERANCE = 1e-5
+
+
+@dataclass(frozen=True)
+class ExecutionTimes:
+    """Where one execution's time went, in nanoseconds."""
+
+    input_ns: int  # host tensor -> device tensor
+    infer_ns: int  # the model itself
+    output_ns: int  # result back to a host array
+
+
+class WarmupError(RuntimeError):
+    """The warm-up inference did not match the reference: the server must not become ready."""
+
+
+def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """||out - ref|| / ||ref|| in float64 (NaN anywhere gives inf)."""
+    out64, ref64 = out.detach().to("cpu", torch.float64), ref.detach().to("cpu", torch.float64)
+    if not bool(torch.isfinite(out64).all()):
+        return float("inf")
+    return float(torch.linalg.vector_norm(out64 - ref64) / torch.linalg.vector_norm(ref64))
+
+
+def select_device(requested: str) -> tuple[torch.device, str]:
+    """Resolve --device into a torch device and the kernel label that will run on it."""
+    if requested == "cpu":
+        return torch.device("cpu"), "reference-cpu"
+    if requested == "auto" and not torch.cuda.is_available():
+        log.info("no CUDA device visible: serving on the CPU")
+        return torch.device("cpu"), "reference-cpu"
+    device = torch.device("cuda:0" if requested in ("auto", "cuda") else requested)
+    if not torch.cuda.is_available():
+        raise RuntimeError(f"--device {requested}: no CUDA device is visible to this process")
+    if device.index is not None and device.index >= torch.cuda.device_count():
+        raise RuntimeError(f"--device {requested}: only {torch.cuda.device_count()} CUDA device(s) visible")
+    problem = cuda_kernels.load_problem()
+    if problem is not None:
+        log.error("fused CUDA kernel unavailable (%s): falling back to the CPU reference path", problem)
+        return torch.device("cpu"), "reference-cpu-fallback"
+    return device, "fused-cuda"
+
+
+def wire_to_tensor(arr: np.ndarray, datatype: str) -> torch.Tensor:
+    """A torch view of a wire-typed numpy array (BF16 arrives as uint16 bits); no copy."""
+    with warnings.catch_warnings():
+        # Request bytes are immutable; the model only reads them.
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+        if datatype == "BF16":
+            return torch.from_numpy(arr.view(np.int16)).view(torch.bfloat16)
+        return torch.from_numpy(arr)
+
+
+class Model:
+    """Weights resident on one device and the op that runs them."""
+
+    def __init__(self, weights: Weights, device: torch.device, kernel: str, max_batch: int) -> None:
+        self.weights = weights
+        self.device = device
+        self.kernel = kernel
+        self.max_batch = max_batch
+        self._weight = weights.weight.to(device)
+        self._bias = weights.bias.to(device)
+
+    @property
+    def cin(self) -> int:
+        return self.weights.cin
+
+    @property
+    def cout(self) -> int:
+        return self.weights.cout
+
+    @property
+    def k(self) -> int:
+        return self.weights.k
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """(N, Cin, D, H, W) on any device -> (N, Cout) float32 on the CPU, max_batch samples at a time."""
+        parts = [self.run_tensor(x[i : i + self.max_batch])[0] for i in range(0, x.shape[0], self.max_batch)]
+        return torch.cat(parts) if len(parts) > 1 else parts[0]
+
+    def run_tensor(self, x: torch.Tensor) -> tuple[torch.Tensor, ExecutionTimes]:
+        """One execution: copy in, compute, copy out, each timed."""
+        t0 = time.perf_counter_ns()
+        xd = x.to(self.device, non_blocking=False)
+        self._sync()
+        t1 = time.perf_counter_ns()
+        with torch.inference_mode():
+            yd = kernels.fused_forward(xd, self._weight, self._bias)
+        self._sync()
+        t2 = time.perf_counter_ns()
+        y = yd.to("cpu")
+        t3 = time.perf_counter_ns()
+        return y, ExecutionTimes(t1 - t0, t2 - t1, t3 - t2)
+
+    def warm_up(self, seed: int | None = None) -> float:
+        """Run fresh random inputs through the serving path and compare with float64.
+
+        Returns the largest relative error seen; raises WarmupError above FP32_TOLERANCE.
+        """
+        gen = torch.Generator().manual_seed(seed if seed is not None else time.time_ns() % 2**63)
+        k = self.k
+        shapes = [(2, self.cin, k + 2, k + 3, k + 5), (1, self.cin, k, k, k)]
+        if (self.cin, self.cout, k) == (3, 16, 3):
+            shapes.append((4, 3, 16, 32, 32))
+        worst = 0.0
+        for shape in shapes:
+            x = torch.randn(shape, generator=gen)
+            err = relative_error(self.forward(x), kernels.reference_float64(x, self.weights.weight, self.weights.bias))
+            log.debug("warm-up %s: relative error %.2e", shape, err)
+            worst = max(worst, err)
+            if not err <= FP32_TOLERANCE:
+                raise WarmupError(
+                    f"warm-up on {self.kernel} for input {shape}: relative error {err:.3e} vs float64 "
+                    f"exceeds {FP32_TOLERANCE:.0e}"
+                )
+        return worst

@@ -1,0 +1,173 @@
+"""The GRPCInferenceService servicer: a thin translator between the protocol and the runner."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import grpc
+
+from voxserve import __version__
+from voxserve.proto import config_pb, pb, pb_grpc
+
+from . import codec
+from .codec import ModelSpec
+from .errors import ServingError, unavailable
+from .metrics import Metrics
+from .runner import Runner
+from .stats import Duration, ModelStats
+
+log = logging.getLogger(__name__)
+
+PLATFORM = "voxserve_fused_conv3d"
+EXTENSIONS = ("model_configuration", "statistics", "streaming")
+
+
+@dataclass
+class ServingState:
+    """What the servicer serves; filled in as start-up proceeds."""
+
+    spec: ModelSpec | None = None
+    runner: Runner | None = None
+    device: str = ""
+    kernel: str = ""
+    max_batch: int = 0
+    ready: bool = False
+    draining: bool = False
+    stats: ModelStats = field(default_factory=ModelStats)
+
+
+def _duration(d: Duration) -> pb.StatisticDuration:
+    return pb.StatisticDuration(count=d.count, ns=d.ns)
+
+
+class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
+    def __init__(self, state: ServingState, metrics: Metrics, model_name: str, model_version: str) -> None:
+        self.state = state
+        self.metrics = metrics
+        self.model_name = model_name
+        self.model_version = model_version
+
+    # --- health and metadata -------------------------------------------------
+
+    async def ServerLive(self, request, context):
+        return pb.ServerLiveResponse(live=True)
+
+    async def ServerReady(self, request, context):
+        return pb.ServerReadyResponse(ready=self.state.ready)
+
+    async def ModelReady(self, request, context):
+        await self._check_model(request.name, request.version, context)
+        return pb.ModelReadyResponse(ready=self.state.ready)
+
+    async def ServerMetadata(self, request, context):
+        return pb.ServerMetadataResponse(name="voxserve", version=__version__, extensions=list(EXTENSIONS))
+
+    async def ModelMetadata(self, request, context):
+        spec = await self._check_model(request.name, request.version, context)
+        response = pb.ModelMetadataResponse(name=self.model_name, versions=[self.model_version], platform=PLATFORM)
+        if spec is not None:
+            for datatype in ("FP32", "FP16", "BF16"):
+                response.inputs.add(name=codec.INPUT_NAME, datatype=datatype, shape=[-1, spec.cin, -1, -1, -1])
+            response.outputs.add(name=codec.OUTPUT_NAME, datatype="FP32", shape=[-1, spec.cout])
+        return response
+
+    async def ModelConfig(self, request, context):
+        spec = await self._check_model(request.name, request.version, context)
+        config = config_pb.ModelConfig(name=self.model_name, platform=PLATFORM, backend="voxserve",
+                                       max_batch_size=self.state.max_batch)
+        if spec is not None:
+            config.input.add(name=codec.INPUT_NAME, data_type=config_pb.TYPE_FP32, dims=[spec.cin, -1, -1, -1])
+            config.output.add(name=codec.OUTPUT_NAME, data_type=config_pb.TYPE_FP32, dims=[spec.cout])
+            config.parameters["kernel_size"].string_value = str(spec.k)
+        kind = config_pb.ModelInstanceGroup.KIND_GPU if self.state.device.startswith("cuda") else \
+            config_pb.ModelInstanceGroup.KIND_CPU
+        group = config.instance_group.add(name=f"{self.model_name}_0", count=1, kind=kind)
+        if self.state.device.startswith("cuda"):
+            group.gpus.append(int(self.state.device.partition(":")[2] or 0))
+        config.parameters["device"].string_value = self.state.device
+        config.parameters["kernel"].string_value = self.state.kernel
+        config.parameters["accepted_input_datatypes"].string_value = "FP32,FP16,BF16"
+        return pb.ModelConfigResponse(config=config)
+
+    async def ModelStatistics(self, request, context):
+        if request.name:
+            await self._check_model(request.name, request.version, context)
+        s = self.state.stats.snapshot()
+        stats = pb.ModelStatistics(
+            name=self.model_name, version=self.model_version, last_inference=s.last_inference_ms,
+            inference_count=s.inference_count, execution_count=s.execution_count,
+            inference_stats=pb.InferStatistics(
+                success=_duration(s.success), fail=_duration(s.fail), queue=_duration(s.queue),
+                compute_input=_duration(s.compute_input), compute_infer=_duration(s.compute_infer),
+                compute_output=_duration(s.compute_output)),
+        )
+        for size, b in s.batches.items():
+            stats.batch_stats.add(batch_size=size, compute_input=_duration(b.compute_input),
+                                  compute_infer=_duration(b.compute_infer), compute_output=_duration(b.compute_output))
+        return pb.ModelStatisticsResponse(model_stats=[stats])
+
+    # --- inference -----------------------------------------------------------
+
+    async def ModelInfer(self, request, context):
+        try:
+            return await self._infer(request)
+        except ServingError as exc:
+            await context.abort(exc.code, exc.message)
+
+    async def ModelStreamInfer(self, request_iterator, context) -> AsyncIterator[pb.ModelStreamInferResponse]:
+        # Errors go in the message, not the stream's status, so one bad request does not end the stream.
+        async for request in request_iterator:
+            try:
+                yield pb.ModelStreamInferResponse(infer_response=await self._infer(request))
+            except ServingError as exc:
+                yield pb.ModelStreamInferResponse(error_message=f"{exc.code.name}: {exc.message}")
+
+    async def _infer(self, request: pb.ModelInferRequest) -> pb.ModelInferResponse:
+        arrived = time.perf_counter_ns()
+        m, model = self.metrics, self.metrics.model
+        m.inflight.labels(model).inc()
+        code = grpc.StatusCode.OK
+        try:
+            spec, runner = self.state.spec, self.state.runner
+            if self.state.draining:
+                raise unavailable(f"model '{self.model_name}' is shutting down; retry on another replica")
+            if not self.state.ready or spec is None or runner is None:
+                codec.check_model(ModelSpec(self.model_name, self.model_version, 0, 0, 0, 0),
+                                  request.model_name, request.model_version)
+                raise unavailable(f"model '{self.model_name}' is not ready yet (loading or warming up)")
+            decoded = codec.decode_request(request, spec)
+            m.input_bytes.labels(model).inc(decoded.array.nbytes)
+            result = await runner.run(decoded.array, decoded.datatype)
+            response = codec.encode_response(request, spec, result.output, decoded.typed_response)
+            elapsed = time.perf_counter_ns() - arrived
+            self.state.stats.record_success(decoded.samples, elapsed, result.queue_ns)
+            m.samples.labels(model).inc(decoded.samples)
+            return response
+        except ServingError as exc:
+            code = exc.code
+            self.state.stats.record_failure(time.perf_counter_ns() - arrived)
+            raise
+        except asyncio.CancelledError:
+            code = grpc.StatusCode.CANCELLED
+            self.state.stats.record_failure(time.perf_counter_ns() - arrived)
+            raise
+        except Exception:
+            code = grpc.StatusCode.INTERNAL
+            self.state.stats.record_failure(time.perf_counter_ns() - arrived)
+            log.exception("inference failed")
+            raise ServingError(grpc.StatusCode.INTERNAL, "inference failed inside the server; see its log") from None
+        finally:
+            m.inflight.labels(model).dec()
+            m.requests.labels(model, code.name).inc()
+            m.request_duration.labels(model).observe((time.perf_counter_ns() - arrived) / 1e9)
+
+    async def _check_model(self, name: str, version: str, context) -> ModelSpec | None:
+        try:
+            codec.check_model(ModelSpec(self.model_name, self.model_version, 0, 0, 0, 0), name, version)
+        except ServingError as exc:
+            await context.abort(exc.code, exc.message)
+        return self.state.spec

@@ -1,0 +1,107 @@
+"""One settings object for the server, built once from flags and VOXSERVE_* environment variables."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+MiB = 1024 * 1024
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Everything the server is configured by. Each field has a flag and an environment twin."""
+
+    weights: str | None = None
+    host: str = "0.0.0.0"
+    grpc_port: int = 8001
+    metrics_port: int = 8002
+    device: str = "auto"
+    model_name: str = "voxnet"
+    model_version: str = "1"
+    max_message_bytes: int = 128 * MiB
+    max_batch: int = 128
+    max_request_samples: int = 1024
+    max_concurrent_rpcs: int = 256
+    grace_period_s: float = 30.0
+    log_level: str = "INFO"
+
+
+# flag name, field, type, help. The environment twin is VOXSERVE_<FIELD upper-cased>.
+_FLAGS: Sequence[tuple[str, str, Any, str]] = (
+    ("--weights", "weights", str,
+     "safetensors file with conv.weight (Cout, Cin, k, k, k) and conv.bias (Cout); "
+     "default: the reference instance's deterministic weights (Cin=3, Cout=16, k=3)"),
+    ("--host", "host", str, "address to listen on"),
+    ("--grpc-port", "grpc_port", int, "gRPC port (Open Inference Protocol, health, reflection); 0 picks a free port"),
+    ("--metrics-port", "metrics_port", int, "Prometheus metrics port (HTTP /metrics); 0 picks a free one, -1 disables"),
+    ("--device", "device", str,
+     "auto (the first GPU if one is usable, else the CPU), cpu, cuda or cuda:N"),
+    ("--model-name", "model_name", str, "the model's name in the protocol and in metric labels"),
+    ("--model-version", "model_version", str, "the model's version string"),
+    ("--max-message-bytes", "max_message_bytes", int,
+     "largest gRPC message accepted or sent; larger requests get RESOURCE_EXHAUSTED (default fits 5 reference batches)"),
+    ("--max-batch", "max_batch", int, "most samples the model runs in one execution; larger requests run in pieces"),
+    ("--max-request-samples", "max_request_samples", int,
+     "most samples one request may carry (RESOURCE_EXHAUSTED above it)"),
+    ("--max-concurrent-rpcs", "max_concurrent_rpcs", int,
+     "most RPCs served at once; further ones are refused with RESOURCE_EXHAUSTED"),
+    ("--grace-period-s", "grace_period_s", float,
+     "on SIGTERM/SIGINT: how long in-flight requests may take to finish before the server exits"),
+    ("--log-level", "log_level", str, "DEBUG, INFO, WARNING or ERROR"),
+)  # fmt: skip
+
+
+def env_name(field_name: str) -> str:
+    return "VOXSERVE_" + field_name.upper()
+
+
+def add_arguments(parser: argparse.ArgumentParser, environ: Mapping[str, str] | None = None) -> None:
+    """Add every settings flag to ``parser``; an environment twin, when set, becomes the default."""
+    environ = os.environ if environ is None else environ
+    defaults = Settings()
+    for flag, name, kind, help_text in _FLAGS:
+        default = getattr(defaults, name)
+        env = env_name(name)
+        if env in environ:
+            try:
+                default = kind(environ[env])
+            except ValueError as exc:
+                parser.error(f"{env}={environ[env]!r} is not a valid {kind.__name__}: {exc}")
+        parser.add_argument(flag, dest=name, type=kind, default=default,
+                            help=f"{help_text} [env {env}; default: %(default)s]")
+
+
+def from_namespace(ns: argparse.Namespace) -> Settings:
+    """Build and validate Settings from parsed flags."""
+    names = {f.name for f in dataclasses.fields(Settings)}
+    settings = Settings(**{k: v for k, v in vars(ns).items() if k in names})
+    validate(settings)
+    return settings
+
+
+def validate(s: Settings) -> None:
+    """Raise ValueError with the flag name when a setting is out of range."""
+    def need(ok: bool, flag: str, value: Any, rule: str) -> None:
+        if not ok:
+            raise ValueError(f"{flag}={value!r}: {rule}")
+
+    need(0 <= s.grpc_port <= 65535, "--grpc-port", s.grpc_port, "must be 0..65535")
+    need(-1 <= s.metrics_port <= 65535, "--metrics-port", s.metrics_port, "must be -1..65535")
+    need(s.device == "auto" or s.device == "cpu" or s.device == "cuda" or
+         (s.device.startswith("cuda:") and s.device[5:].isdigit()),
+         "--device", s.device, "must be auto, cpu, cuda or cuda:N")
+    need(bool(s.model_name) and s.model_name.replace("_", "").replace("-", "").replace(".", "").isalnum(),
+         "--model-name", s.model_name, "must be letters, digits, '_', '-' or '.'")
+    need(1024 <= s.max_message_bytes <= 2**31 - 1, "--max-message-bytes", s.max_message_bytes,
+         "must be between 1 KiB and 2 GiB - 1 (gRPC's limit)")
+    need(s.max_batch >= 1, "--max-batch", s.max_batch, "must be >= 1")
+    need(s.max_request_samples >= 1, "--max-request-samples", s.max_request_samples, "must be >= 1")
+    need(s.max_concurrent_rpcs >= 1, "--max-concurrent-rpcs", s.max_concurrent_rpcs, "must be >= 1")
+    need(s.grace_period_s >= 0, "--grace-period-s", s.grace_period_s, "must be >= 0")
+    need(s.log_level.upper() in ("DEBUG", "INFO", "WARNING", "ERROR"), "--log-level", s.log_level,
+         "must be DEBUG, INFO, WARNING or ERROR")

@@ -1,0 +1,150 @@
+"""The `voxserve` command: serve, infer, health, weights."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Sequence
+
+import numpy as np
+
+from voxserve import __version__
+from voxserve.datatypes import CLI_DTYPES
+
+DEFAULT_URL = "localhost:8001"
+
+
+def _shape(text: str) -> tuple[int, ...]:
+    try:
+        shape = tuple(int(v) for v in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of integers") from None
+    if len(shape) != 5 or min(shape) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: need five positive sizes N,C,D,H,W")
+    return shape
+
+
+def _add_url(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--url", default=os.environ.get("VOXSERVE_URL", DEFAULT_URL),
+                        help="server address HOST:PORT [env VOXSERVE_URL; default: %(default)s]")
+    parser.add_argument("--model-name", default=os.environ.get("VOXSERVE_MODEL_NAME", "voxnet"),
+                        help="model to address [env VOXSERVE_MODEL_NAME; default: %(default)s]")
+    parser.add_argument("--timeout-s", type=float, default=60.0, help="per-call deadline in seconds")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="voxserve", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"voxserve {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    serve = sub.add_parser("serve", help="run the inference server",
+                           description="Serve the model over gRPC (Open Inference Protocol) until SIGTERM/SIGINT. "
+                           "Every flag has a VOXSERVE_* environment twin.")
+    from voxserve.server.settings import add_arguments
+
+    add_arguments(serve)
+
+    infer = sub.add_parser("infer", help="send one inference request and print or save the result")
+    _add_url(infer)
+    source = infer.add_mutually_exclusive_group(required=True)
+    source.add_argument("--input", metavar="X.npy", help="input tensor (N, Cin, D, H, W) from a .npy file")
+    source.add_argument("--random", metavar="N,C,D,H,W", type=_shape, help="a random normal input of this shape")
+    infer.add_argument("--dtype", choices=sorted(CLI_DTYPES), default="fp32",
+                       help="datatype on the wire (the server computes in fp32) [default: %(default)s]")
+    infer.add_argument("--seed", type=int, default=None, help="seed for --random")
+    infer.add_argument("--output", metavar="Y.npy", help="write the (N, Cout) result here instead of printing it")
+
+    health = sub.add_parser("health", help="exit 0 if the server and model are ready, 1 otherwise")
+    _add_url(health)
+
+    weights = sub.add_parser("weights", help="make or convert weights files")
+    wsub = weights.add_subparsers(dest="weights_command", required=True, metavar="ACTION")
+    default = wsub.add_parser("default", help="write the reference instance's default weights")
+    default.add_argument("out", metavar="OUT.safetensors")
+    default.add_argument("--cin", type=int, default=3, help="input channels [default: %(default)s]")
+    default.add_argument("--cout", type=int, default=16, help="output channels [default: %(default)s]")
+    default.add_argument("-k", "--kernel-size", type=int, default=3, help="kernel size [default: %(default)s]")
+    default.add_argument("--seed", type=int, default=0, help="generator seed [default: %(default)s]")
+    convert = wsub.add_parser("convert", help="convert a PyTorch state dict to safetensors",
+                              description="Keys conv.weight/conv.bias or conv_weight/conv_bias; loaded with "
+                              "weights_only=True (tensors only).")
+    convert.add_argument("src", metavar="STATE_DICT.pt")
+    convert.add_argument("out", metavar="OUT.safetensors")
+    return parser
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from voxserve.server.settings import from_namespace
+
+    try:
+        from voxserve.server.app import serve
+    except ImportError as exc:  # a client-only install
+        print(f"voxserve serve needs the server extra (pip install 'voxserve[server]'): {exc}", file=sys.stderr)
+        return 2
+
+    try:
+        settings = from_namespace(args)
+    except ValueError as exc:
+        print(f"voxserve serve: {exc}", file=sys.stderr)
+        return 2
+    return serve(settings)
+
+
+def _infer(args: argparse.Namespace) -> int:
+    from voxserve.client import Client, InferenceError
+
+    if args.input:
+        x = np.load(args.input, allow_pickle=False)
+    else:
+        x = np.random.default_rng(args.seed).standard_normal(args.random, dtype=np.float32)
+    with Client(args.url, model=args.model_name, timeout_s=args.timeout_s) as client:
+        try:
+            y = client.infer(x, datatype=CLI_DTYPES[args.dtype])
+        except InferenceError as exc:
+            print(f"voxserve infer: {exc}", file=sys.stderr)
+            return 1
+    if args.output:
+        np.save(args.output, y)
+        print(f"wrote {args.output}: shape {y.shape}, {y.dtype}")
+    else:
+        np.set_printoptions(precision=6, suppress=True, linewidth=160)
+        print(y)
+    return 0
+
+
+def _health(args: argparse.Namespace) -> int:
+    from voxserve.client import Client
+
+    with Client(args.url, model=args.model_name, timeout_s=args.timeout_s) as client:
+        ready = client.is_ready()
+    print("ready" if ready else "not ready")
+    return 0 if ready else 1
+
+
+def _weights(args: argparse.Namespace) -> int:
+    from voxserve.kernels import reference_weights
+    from voxserve.server import weights as weights_io
+
+    try:
+        if args.weights_command == "default":
+            w, b = reference_weights(args.cin, args.cout, args.kernel_size, args.seed)
+            result = weights_io.check(w, b, "generated")
+            weights_io.save(result, args.out)
+        else:
+            result = weights_io.convert_state_dict(args.src, args.out)
+    except weights_io.WeightsError as exc:
+        print(f"voxserve weights: {exc}", file=sys.stderr)
+        return 1
+    print(f"wrote {args.out}: conv.weight {tuple(result.weight.shape)}, conv.bias {tuple(result.bias.shape)}")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    handlers = {"serve": _serve, "infer": _infer, "health": _health, "weights": _weights}
+    return handlers[args.command](args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
