@@ -10,19 +10,15 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from voxserve.proto import pb, pb_grpc
-
 from . import weights as weights_io
 from .codec import ModelSpec
 from .metrics import Metrics
 from .model import Model, select_device
 from .runner import Runner
-from .service import InferenceService, ServingState
+from .service import SERVICE_NAME, InferenceService, ServingState, add_to_server
 from .settings import Settings
 
 log = logging.getLogger("voxserve")
-
-SERVICE_NAME = pb.DESCRIPTOR.services_by_name["GRPCInferenceService"].full_name
 
 
 class VoxServer:
@@ -45,7 +41,7 @@ class VoxServer:
         ]
         self.server = grpc.aio.server(options=options, maximum_concurrent_rpcs=settings.max_concurrent_rpcs)
         self.service = InferenceService(self.state, self.metrics, settings.model_name, settings.model_version)
-        pb_grpc.add_GRPCInferenceServiceServicer_to_server(self.service, self.server)
+        add_to_server(self.service, self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reflection.enable_server_reflection(
             (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),

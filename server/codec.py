@@ -9,9 +9,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+from voxserve.proto import pb
 
 from voxserve.datatypes import INPUT_DATATYPES, ITEMSIZE, WIRE_DTYPE
-from voxserve.proto import pb
 
 from .errors import exhausted, invalid, not_found, unimplemented
 
@@ -57,7 +57,7 @@ def _check_shape(spec: ModelSpec, shape: list[int]) -> tuple[int, ...]:
     if len(shape) != 5:
         raise invalid(f"input '{INPUT_NAME}' has shape {shape} (rank {len(shape)}); "
                       f"expected rank 5: [N, {spec.cin}, D, H, W]")
-    for axis, (dim, label) in enumerate(zip(shape, DIM_NAMES)):
+    for axis, (dim, label) in enumerate(zip(shape, DIM_NAMES, strict=True)):
         if dim < 1:
             raise invalid(f"input '{INPUT_NAME}' dimension {axis} ({label}) is {dim}; every dimension must be >= 1")
     if shape[1] != spec.cin:

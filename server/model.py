@@ -12,9 +12,9 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+from voxserve.kernels import cuda as cuda_kernels
 
 from voxserve import kernels
-from voxserve.kernels import cuda as cuda_kernels
 
 from .weights import Weights
 

@@ -9,9 +9,11 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 import grpc
+from google.protobuf.message import DecodeError
+from google.protobuf.message_factory import GetMessageClass
+from voxserve.proto import config_pb, pb
 
 from voxserve import __version__
-from voxserve.proto import config_pb, pb, pb_grpc
 
 from . import codec
 from .codec import ModelSpec
@@ -22,6 +24,7 @@ from .stats import Duration, ModelStats
 
 log = logging.getLogger(__name__)
 
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["GRPCInferenceService"].full_name
 PLATFORM = "voxserve_fused_conv3d"
 EXTENSIONS = ("model_configuration", "statistics", "streaming")
 
@@ -40,11 +43,67 @@ class ServingState:
     stats: ModelStats = field(default_factory=ModelStats)
 
 
+@dataclass(frozen=True)
+class MalformedRequest:
+    """Stands in for a request whose bytes are not a valid protobuf message."""
+
+    type_name: str
+    nbytes: int
+
+    def error(self) -> ServingError:
+        return ServingError(grpc.StatusCode.INVALID_ARGUMENT,
+                            f"request body ({self.nbytes} bytes) is not a valid {self.type_name} message")
+
+
+def _tolerant_parser(message_cls):
+    def parse(data: bytes):
+        try:
+            return message_cls.FromString(data)
+        except DecodeError:
+            return MalformedRequest(message_cls.DESCRIPTOR.full_name, len(data))
+
+    return parse
+
+
+def add_to_server(servicer: InferenceService, server: grpc.aio.Server) -> None:
+    """Register the service like the generated helper does, but answer undecodable bodies with INVALID_ARGUMENT.
+
+    gRPC's default for a body protobuf cannot parse is UNKNOWN with a Python
+    exception name in it; a client's garbage deserves INVALID_ARGUMENT.
+    """
+    handlers = {}
+    for method in pb.DESCRIPTOR.services_by_name["GRPCInferenceService"].methods:
+        behavior = getattr(servicer, method.name, None)
+        if behavior is None:  # not offered: gRPC answers UNIMPLEMENTED
+            continue
+        request_cls = GetMessageClass(method.input_type)
+        response_cls = GetMessageClass(method.output_type)
+        parse = _tolerant_parser(request_cls)
+        if method.client_streaming:
+            handlers[method.name] = grpc.stream_stream_rpc_method_handler(
+                behavior, request_deserializer=parse, response_serializer=response_cls.SerializeToString)
+        else:
+            handlers[method.name] = grpc.unary_unary_rpc_method_handler(
+                _reject_malformed(behavior), request_deserializer=parse,
+                response_serializer=response_cls.SerializeToString)
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
+
+
+def _reject_malformed(behavior):
+    async def handle(request, context):
+        if isinstance(request, MalformedRequest):
+            exc = request.error()
+            await context.abort(exc.code, exc.message)
+        return await behavior(request, context)
+
+    return handle
+
+
 def _duration(d: Duration) -> pb.StatisticDuration:
     return pb.StatisticDuration(count=d.count, ns=d.ns)
 
 
-class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
+class InferenceService:
     def __init__(self, state: ServingState, metrics: Metrics, model_name: str, model_version: str) -> None:
         self.state = state
         self.metrics = metrics
@@ -132,6 +191,8 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
         m.inflight.labels(model).inc()
         code = grpc.StatusCode.OK
         try:
+            if isinstance(request, MalformedRequest):
+                raise request.error()
             spec, runner = self.state.spec, self.state.runner
             if self.state.draining:
                 raise unavailable(f"model '{self.model_name}' is shutting down; retry on another replica")

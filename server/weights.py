@@ -8,7 +8,6 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
-
 from voxserve.kernels import reference_weights
 
 WEIGHT_KEY = "conv.weight"
@@ -52,7 +51,8 @@ def check(weight: torch.Tensor, bias: torch.Tensor, source: str) -> Weights:
     if not (1 <= cout <= MAX_CHANNELS and 1 <= cin <= MAX_CHANNELS):
         raise WeightsError(f"{source}: channels Cout={cout}, Cin={cin} must each be in 1..{MAX_CHANNELS}")
     if tuple(bias.shape) != (cout,):
-        raise WeightsError(f"{source}: {BIAS_KEY} must have shape ({cout},) to match {WEIGHT_KEY}; got {tuple(bias.shape)}")
+        raise WeightsError(
+            f"{source}: {BIAS_KEY} must have shape ({cout},) to match {WEIGHT_KEY}; got {tuple(bias.shape)}")
     for name, t in ((WEIGHT_KEY, weight), (BIAS_KEY, bias)):
         if not t.is_floating_point():
             raise WeightsError(f"{source}: {name} must be floating point; got {t.dtype}")

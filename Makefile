@@ -1,0 +1,33 @@
+# voxserve developer entry points. `make serve` and `make test` are the README's two commands.
+PYTHON ?= python3
+VENV ?= .venv
+# PyPI's torch for this platform (a CPU wheel here; CUDA builds on GPU hosts). Override to pick another.
+TORCH_SPEC ?= torch==2.13.0
+CONSTRAINTS := .ci/constraints.txt
+BIN := $(VENV)/bin
+
+.PHONY: serve test lint kernel-check proto clean
+
+$(BIN)/.installed: pyproject.toml $(CONSTRAINTS)
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q "$(TORCH_SPEC)"
+	$(BIN)/pip install -q -c $(CONSTRAINTS) -e '.[server,test]'
+	touch $@
+
+## serve: start the server with the default weights (GPU if one is usable, else the CPU); ARGS=... adds flags
+serve: $(BIN)/.installed
+	$(BIN)/voxserve serve $(ARGS)
+
+## test: lint, then the whole test suite (GPU tests skip without a GPU)
+test: $(BIN)/.installed lint
+	$(BIN)/pytest -q $(PYTEST_ARGS)
+
+lint: $(BIN)/.installed
+	$(BIN)/ruff check .
+
+## proto: regenerate the protocol modules after editing proto/*.proto
+proto: $(BIN)/.installed
+	$(BIN)/python -m voxserve.proto.generate
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache
