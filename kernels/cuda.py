@@ -1,15 +1,253 @@
-"""Loading the fused CUDA kernel and registering it as the op's CUDA implementation."""
+"""The fused CUDA kernel: build it with nvcc (cached), load it with ctypes, register it as the op's CUDA kernel.
+
+The kernel source (``csrc/fused.cu``) is plain CUDA with a C launcher and no
+torch headers, so it builds in seconds and is independent of the installed
+PyTorch's C++ ABI. The launch goes on PyTorch's current stream, so the op works
+under ``torch.cuda.graph`` capture and beside any other PyTorch work.
+"""
 
 from __future__ import annotations
 
+import ctypes
 import functools
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
 
 import torch
+
+from .ops import _fused_forward_op
+from .reference import reference
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).resolve().parent / "csrc" / "fused.cu"
+LIBRARY_NAME = "libvoxserve_fused.so"
+NVCC_FLAGS = ("-O3", "-std=c++17", "-shared", "-Xcompiler", "-fPIC", "-lineinfo")
+DEFAULT_ARCHS = ("9.0",)  # H100 / H200
+GENERAL_MAX_COUT = 64
+_DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+
+
+class KernelBuildError(RuntimeError):
+    """The fused kernel could not be built or loaded; the message says why and what to do."""
+
+
+@dataclass(frozen=True)
+class BuildResult:
+    path: Path
+    archs: tuple[str, ...]
+    seconds: float  # 0 when it came from the cache
+    ptxas_report: str
+
+
+def find_nvcc() -> str:
+    """nvcc from $CUDA_HOME/bin, else PATH; KernelBuildError if there is none."""
+    cuda_home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
+    candidates = [Path(cuda_home) / "bin" / "nvcc"] if cuda_home else []
+    which = shutil.which("nvcc")
+    if which:
+        candidates.append(Path(which))
+    candidates.append(Path("/usr/local/cuda/bin/nvcc"))
+    for c in candidates:
+        if c.is_file() and os.access(c, os.X_OK):
+            return str(c)
+    raise KernelBuildError(
+        "the CUDA compiler nvcc was not found (looked in $CUDA_HOME/bin, PATH and /usr/local/cuda/bin); "
+        "install the CUDA toolkit or set CUDA_HOME")
+
+
+def parse_arch_list(text: str) -> tuple[str, ...]:
+    """'8.0;9.0+PTX' or '80 90' -> ('8.0', '9.0+PTX'), the TORCH_CUDA_ARCH_LIST convention."""
+    archs = []
+    for item in text.replace(",", " ").replace(";", " ").split():
+        ptx = item.endswith("+PTX")
+        base = item.removesuffix("+PTX")
+        if "." not in base and base.isdigit() and len(base) >= 2:
+            base = f"{base[:-1]}.{base[-1]}"
+        major, _, minor = base.partition(".")
+        if not (major.isdigit() and minor.isdigit()):
+            raise KernelBuildError(f"cannot read CUDA architecture {item!r} (expected e.g. 9.0 or 9.0+PTX)")
+        archs.append(base + ("+PTX" if ptx else ""))
+    if not archs:
+        raise KernelBuildError(f"empty CUDA architecture list {text!r}")
+    return tuple(archs)
+
+
+def default_archs() -> tuple[str, ...]:
+    """VOXSERVE_CUDA_ARCH_LIST, else TORCH_CUDA_ARCH_LIST, else the visible GPUs, else sm_90."""
+    for var in ("VOXSERVE_CUDA_ARCH_LIST", "TORCH_CUDA_ARCH_LIST"):
+        if os.environ.get(var):
+            return parse_arch_list(os.environ[var])
+    if torch.cuda.is_available():
+        caps = sorted({torch.cuda.get_device_capability(i) for i in range(torch.cuda.device_count())})
+        return tuple(f"{a}.{b}" for a, b in caps)
+    return DEFAULT_ARCHS
+
+
+def _gencode(arch: str) -> list[str]:
+    base = arch.removesuffix("+PTX")
+    num = base.replace(".", "")
+    flags = [f"-gencode=arch=compute_{num},code=sm_{num}"]
+    if arch.endswith("+PTX"):
+        flags.append(f"-gencode=arch=compute_{num},code=compute_{num}")
+    return flags
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("VOXSERVE_KERNEL_CACHE")
+    if root:
+        return Path(root)
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "voxserve" / "kernels"
+
+
+def build(archs: tuple[str, ...] | None = None, out_dir: Path | None = None, force: bool = False) -> BuildResult:
+    """Compile csrc/fused.cu into a shared library, or reuse the cached build of the same source and flags."""
+    archs = archs or default_archs()
+    nvcc = find_nvcc()
+    version = subprocess.run([nvcc, "--version"], capture_output=True, text=True, check=False).stdout
+    flags = [*NVCC_FLAGS, *(f for a in archs for f in _gencode(a))]
+    digest = hashlib.sha256("\0".join([SOURCE.read_text(), version, *flags]).encode()).hexdigest()[:16]
+    target_dir = (out_dir or cache_dir()) / digest
+    target = target_dir / LIBRARY_NAME
+    report_path = target_dir / "ptxas.txt"
+    if target.exists() and not force:
+        return BuildResult(target, archs, 0.0, report_path.read_text() if report_path.exists() else "")
+    target_dir.mkdir(parents=True, exist_ok=True)
+    started = time.perf_counter()
+    with tempfile.TemporaryDirectory(dir=target_dir) as tmp:
+        tmp_lib = Path(tmp) / LIBRARY_NAME
+        cmd = [nvcc, *flags, "-Xptxas", "-v", "-o", str(tmp_lib), str(SOURCE)]
+        proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+        if proc.returncode != 0:
+            raise KernelBuildError(f"nvcc failed ({' '.join(cmd)}):\n{proc.stderr[-4000:]}")
+        report_path.write_text(proc.stderr)
+        os.replace(tmp_lib, target)  # atomic: concurrent builders never see a partial library
+    seconds = time.perf_counter() - started
+    log.info("built %s for %s in %.1f s", target, ",".join(archs), seconds)
+    return BuildResult(target, archs, seconds, proc.stderr)
+
+
+class _Library:
+    """The loaded shared library with typed entry points."""
+
+    def __init__(self, path: Path) -> None:
+        lib = ctypes.CDLL(str(path))
+        ll, i, p, f = ctypes.c_longlong, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p
+        lib.voxserve_last_error.restype = ctypes.c_char_p
+        lib.voxserve_is_specialised.argtypes = [i, i, i]
+        lib.voxserve_is_specialised.restype = i
+        lib.voxserve_workspace_floats.argtypes = [ctypes.POINTER(ll), i, i, i]
+        lib.voxserve_workspace_floats.restype = ll
+        lib.voxserve_forward.argtypes = [p, i, ctypes.POINTER(ll), ctypes.POINTER(ll), i, i, f, f, f, f, f, f, i, i, p]
+        lib.voxserve_forward.restype = i
+        self.lib = lib
+        self.path = path
+
+
+_load_lock = threading.Lock()
+_library: _Library | None = None
+
+
+def library() -> _Library:
+    """Build (or find cached) and load the kernel library once per process."""
+    global _library
+    with _load_lock:
+        if _library is None:
+            _library = _Library(build().path)
+        return _library
 
 
 @functools.lru_cache(maxsize=1)
 def load_problem() -> str | None:
-    """Build/load the fused kernel once; return None on success or a sentence saying why not."""
+    """Build/load the fused kernel once; None on success or a sentence saying why not."""
     if not torch.cuda.is_available():
         return "no CUDA device is visible"
-    return "the fused CUDA kernel is not built into this version"
+    try:
+        library()
+    except (KernelBuildError, OSError) as exc:
+        return str(exc)
+    return None
+
+
+class _HostWeights:
+    """Host copies of weight tensors, for the specialised kernel's by-value weight parameter.
+
+    Keyed by the tensors' storage and version counter; the cache holds the
+    tensors themselves so that their memory cannot be reused by other tensors
+    while an entry lives, and an in-place update bumps the version (a new entry).
+    """
+
+    def __init__(self, capacity: int = 4) -> None:
+        self._entries: OrderedDict[tuple, tuple] = OrderedDict()
+        self._capacity = capacity
+        self._lock = threading.Lock()
+
+    def get(self, weight: torch.Tensor, bias: torch.Tensor):
+        try:
+            key = (weight.data_ptr(), weight._version, bias.data_ptr(), bias._version, weight.device)
+        except RuntimeError:  # inference-mode tensors have no version counter: never cache them
+            key = None
+        with self._lock:
+            if key is not None and key in self._entries:
+                self._entries.move_to_end(key)
+                return self._entries[key][2:]
+        if torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("voxserve::fused_forward: run the op once outside CUDA graph capture first, so the "
+                               "weights' host copy exists (a copy during capture would synchronise)")
+        w_host = weight.detach().to("cpu", torch.float32).contiguous()
+        b_host = bias.detach().to("cpu", torch.float32).contiguous()
+        entry = (weight, bias, w_host, b_host)
+        if key is not None:
+            with self._lock:
+                self._entries[key] = entry
+                while len(self._entries) > self._capacity:
+                    self._entries.popitem(last=False)
+        return entry[2:]
+
+
+_host_weights = _HostWeights()
+
+
+def forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, variant: int = 0) -> torch.Tensor:
+    """Launch the fused kernel on PyTorch's current stream; (N, Cout) float32 on x's device."""
+    n, cin, d, h, w = x.shape
+    cout, k = int(weight.shape[0]), int(weight.shape[2])
+    lib = library().lib
+    specialised = bool(lib.voxserve_is_specialised(cin, cout, k))
+    if cout > GENERAL_MAX_COUT and not specialised:
+        # Beyond the kernel's register budget: the reference on the GPU, same numbers, slower.
+        return reference(x.to(torch.float32), weight, bias)
+    sizes = (ctypes.c_longlong * 5)(n, cin, d, h, w)
+    strides = (ctypes.c_longlong * 5)(*x.stride())
+    floats = lib.voxserve_workspace_floats(sizes, cout, k, variant)
+    if floats < 0:
+        raise ValueError(f"shape {tuple(x.shape)} is invalid for kernel size {k}")
+    weight = weight.contiguous()
+    bias = bias.contiguous()
+    out = torch.empty((n, cout), device=x.device, dtype=torch.float32)
+    workspace = torch.empty(floats, device=x.device, dtype=torch.float32)
+    w_host_ptr = b_host_ptr = None
+    if specialised:
+        w_host, b_host = _host_weights.get(weight, bias)
+        w_host_ptr, b_host_ptr = w_host.data_ptr(), b_host.data_ptr()
+    stream = torch.cuda.current_stream(x.device).cuda_stream
+    rc = lib.voxserve_forward(
+        x.data_ptr(), _DTYPE_CODES[x.dtype], sizes, strides, cout, k, weight.data_ptr(), bias.data_ptr(),
+        w_host_ptr, b_host_ptr, out.data_ptr(), workspace.data_ptr(), variant, x.device.index or 0, stream)
+    if rc != 0:
+        raise RuntimeError(f"voxserve::fused_forward: {lib.voxserve_last_error().decode()}")
+    return out
+
+
+@_fused_forward_op.register_kernel("cuda")
+def _(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    return forward(x, weight, bias)

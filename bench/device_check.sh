@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# One device-machine session: install, build the kernel, run the GPU tests, compute-sanitizer, the benchmark.
+# Usage (on the device machine, repository root): bash bench/device_check.sh [bench args...]
+# Writes logs under $OUT (or ./device-out).
+set -uo pipefail
+OUT=${OUT:-$PWD/device-out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+if compgen -G ".whl/*.whl" > /dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+  export PYTHONPATH=/tmp/site
+fi
+if ! python3 -m pip install -q --no-index --no-build-isolation --no-deps -e . 2>&1 | tail -2 \
+    || ! python3 -c "import voxserve.server.app" 2>/dev/null; then
+  # Offline fallback: lay the namespace out with links (proto/ -> voxserve/proto, ...).
+  mkdir -p /tmp/pkg/voxserve
+  for f in voxserve/*.py; do ln -sf "$PWD/$f" /tmp/pkg/voxserve/; done
+  for d in proto server kernels client; do ln -sfn "$PWD/$d" /tmp/pkg/voxserve/$d; done
+  export PYTHONPATH=/tmp/pkg${PYTHONPATH:+:$PYTHONPATH}
+fi
+python3 -c "import voxserve.server.app, voxserve.kernels; print('voxserve imports ok')" || exit 1
+nvidia-smi --query-gpu=name,driver_version,clocks.max.sm,memory.total --format=csv | tee "$OUT/gpu.txt"
+python3 - <<'PY' 2>&1 | tee "$OUT/build.txt"
+import time
+from voxserve.kernels import cuda
+t = time.time(); r = cuda.build(force=True); print(f"cold build {time.time() - t:.1f} s: {r.path} for {r.archs}")
+t = time.time(); r = cuda.build(); print(f"warm build {time.time() - t:.2f} s")
+print("\n".join(l for l in r.ptxas_report.splitlines() if "registers" in l or "spill" in l or "Compiling" in l))
+PY
+timeout 420 python3 -m pytest -q -rs -x tests/test_kernel_gpu.py tests/test_service.py tests/test_reference.py 2>&1 | tee "$OUT/pytest-gpu.txt" | tail -15
+if [ "${SKIP_SANITIZER:-0}" != 1 ]; then
+  timeout 240 compute-sanitizer --tool memcheck --print-limit 20 python3 bench/sanitize_cases.py > "$OUT/memcheck.txt" 2>&1
+  echo "memcheck rc=$?"; tail -4 "$OUT/memcheck.txt"
+fi
+timeout 300 python3 bench/kernel_bench.py --out "$OUT" "$@" 2>&1 | tee "$OUT/bench.txt" | tail -12

@@ -1,0 +1,174 @@
+"""Kernel benchmark: eager PyTorch (TF32 off/on), torch.compile, and the fused op (plain and CUDA graph).
+
+    python bench/kernel_bench.py [--out bench/results] [--iters 50]
+
+Times are medians of CUDA-event timings; each timed call reads a different
+input set, and the sets together exceed the L2 cache several times, so inputs
+come from DRAM as in serving. Small shapes are timed as blocks of back-to-back
+calls (per-call time = block time / calls), which is what a server issuing
+them sees. Floors: the fp32 FMA floor (the conv's FMAs over SMs x 128 lanes x
+max SM clock) and the DRAM floor (input bytes over a measured device copy).
+Writes bench/results/kernel-<device>.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import platform
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+from voxserve.kernels import cuda as cuda_kernels
+from voxserve.kernels import fused_forward, reference, reference_float64, reference_weights
+from voxserve.kernels.graphs import GraphCache
+
+SHAPES = [(128, 3, 16, 32, 32), (1, 3, 16, 32, 32), (8, 3, 16, 32, 32), (32, 3, 32, 64, 64)]
+
+
+def sm_clock_hz() -> float:
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        handle = pynvml.nvmlDeviceGetHandleByIndex(torch.cuda.current_device())
+        return pynvml.nvmlDeviceGetMaxClockInfo(handle, pynvml.NVML_CLOCK_SM) * 1e6
+    except Exception:  # no NVML: the H100 SXM's max clock
+        return 1.98e9
+
+
+def copy_bandwidth() -> float:
+    """Device-to-device copy, bytes read + written per second."""
+    a = torch.empty(512 * 1024 * 1024, dtype=torch.uint8, device="cuda")
+    b = torch.empty_like(a)
+    for _ in range(3):
+        b.copy_(a)
+    times = []
+    for _ in range(10):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        b.copy_(a)
+        e.record()
+        e.synchronize()
+        times.append(s.elapsed_time(e) / 1e3)
+    return 2 * a.numel() / statistics.median(times)
+
+
+def time_fn(fn, inputs, iters: int, block: int) -> float:
+    """Median seconds per call; `block` calls between two events, inputs rotated."""
+    for i in range(3):
+        fn(inputs[i % len(inputs)])
+    torch.cuda.synchronize()
+    samples = []
+    j = 0
+    for _ in range(iters):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        for _ in range(block):
+            fn(inputs[j % len(inputs)])
+            j += 1
+        e.record()
+        e.synchronize()
+        samples.append(s.elapsed_time(e) / 1e3 / block)
+    return statistics.median(samples)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
+    parser.add_argument("--iters", type=int, default=50)
+    parser.add_argument("--skip-compile", action="store_true", help="leave torch.compile out (it is slow to build)")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("kernel_bench needs a CUDA GPU", file=sys.stderr)
+        return 2
+    dev = torch.device("cuda")
+    props = torch.cuda.get_device_properties(dev)
+    name = props.name
+    clock = sm_clock_hz()
+    fma_rate = props.multi_processor_count * 128 * clock
+    bw = copy_bandwidth()
+    l2 = getattr(props, "L2_cache_size", 50 * 1024 * 1024)
+    w, b = (t.to(dev) for t in reference_weights())
+    lib = cuda_kernels.library()
+    print(f"device {name}: {props.multi_processor_count} SMs, SM clock {clock / 1e9:.2f} GHz, "
+          f"fp32 FMA {fma_rate / 1e12:.1f} T/s, copy {bw / 1e12:.2f} TB/s, L2 {l2 / 2**20:.0f} MiB; "
+          f"library {lib.path}", flush=True)
+
+    compiled = None if args.skip_compile else torch.compile(reference)
+    rows = []
+    for shape in SHAPES:
+        n, cin, d, h, wd = shape
+        voxels = n * (d - 2) * (h - 2) * (wd - 2)
+        fmas = voxels * 16 * cin * 27
+        in_bytes = n * cin * d * h * wd * 4
+        sets = max(4, int(3 * l2 // in_bytes) + 1)
+        inputs = [torch.randn(shape, device=dev) for _ in range(min(sets, 2048))]
+        block = 1 if in_bytes > 4 * 2**20 else 20
+        fma_floor, dram_floor = fmas / fma_rate, in_bytes / (bw / 2)
+
+        # correctness of every timed path on this shape, once
+        ref = reference_float64(inputs[0], w, b)
+        err = float((fused_forward(inputs[0], w, b).double().cpu() - ref).norm() / ref.norm())
+
+        results = {}
+        torch.backends.cudnn.allow_tf32 = False
+        results["eager fp32"] = time_fn(lambda x: reference(x, w, b), inputs, args.iters, block)
+        torch.backends.cudnn.allow_tf32 = True
+        results["eager tf32"] = time_fn(lambda x: reference(x, w, b), inputs, args.iters, block)
+        torch.backends.cudnn.allow_tf32 = False
+        if compiled is not None:
+            results["torch.compile"] = time_fn(lambda x: compiled(x, w, b), inputs, args.iters, block)
+        for variant in (4, 8):
+            results[f"fused V={variant}"] = time_fn(lambda x, v=variant: cuda_kernels.forward(x, w, b, v), inputs,
+                                                   args.iters, block)
+        cache = GraphCache(w, b, min_uses=1, max_input_bytes=1 << 40)
+        cache.note(inputs[0])
+        entry = cache.lookup(inputs[0])
+        graph_inputs = inputs  # the graph reads its static buffer; staging is a device copy per call
+
+        def graph_call(x, entry=entry):
+            entry.stage(x)
+            return entry.replay()
+
+        results["fused graph"] = time_fn(graph_call, graph_inputs, args.iters, block)
+        results["fused graph (replay only)"] = time_fn(lambda x, entry=entry: entry.replay(), graph_inputs,
+                                                       args.iters, block)
+        rows.append((shape, fma_floor, dram_floor, err, results))
+        line = "  ".join(f"{k} {v * 1e6:8.1f} us" for k, v in results.items())
+        print(f"{shape}: FMA floor {fma_floor * 1e6:.1f} us, DRAM floor {dram_floor * 1e6:.1f} us, "
+              f"rel err {err:.1e}\n    {line}", flush=True)
+
+    columns = list(rows[0][4])
+    header = "| shape | FMA floor | DRAM floor | " + " | ".join(columns) + " | fused rel. err |"
+    sep = "|" + "---|" * (len(columns) + 4)
+    table = [header, sep]
+    for shape, ff, df, err, res in rows:
+        cells = " | ".join(f"{res[c] * 1e6:.1f}" for c in columns)
+        table.append(f"| {'x'.join(map(str, shape))} | {ff * 1e6:.1f} | {df * 1e6:.1f} | {cells} | {err:.1e} |")
+    text = "\n".join(table)
+    print("\nmicroseconds per call (median)\n" + text)
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    slug = name.lower().replace("nvidia ", "").replace(" ", "-")
+    path = out / f"kernel-{slug}.md"
+    path.write_text(
+        f"# Kernel benchmark on {name}\n\n"
+        f"- date: {datetime.datetime.now(datetime.timezone.utc).strftime('%Y-%m-%d %H:%M UTC')}\n"
+        f"- command: `python bench/kernel_bench.py {' '.join(argv or sys.argv[1:])}`\n"
+        f"- device: {name}, {props.multi_processor_count} SMs, max SM clock {clock / 1e9:.2f} GHz, "
+        f"measured copy bandwidth {bw / 1e12:.2f} TB/s (read + write)\n"
+        f"- software: torch {torch.__version__}, CUDA {torch.version.cuda}, Python {platform.python_version()}\n"
+        f"- timing: median of {args.iters} CUDA-event samples; inputs rotated over sets larger than 3x L2; "
+        f"small shapes timed as blocks of 20 back-to-back calls\n"
+        f"- floors: FMA = conv FMAs / (SMs x 128 x clock); DRAM = input bytes / (copy bandwidth / 2)\n\n"
+        f"Microseconds per call:\n\n{text}\n")
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,473 @@
+// The whole model in one pass over the input:
+//
+//   out[n, c] = mean_{d,h,w} softmax_c( relu( hardswish( conv3d(x, W)[n, :, d, h, w] + b ) ) )
+//
+// Plain CUDA with a C launcher (no torch headers): Python loads the shared
+// library with ctypes and launches on PyTorch's current stream.
+//
+// Two kernels compute per-block partial sums of the softmax probabilities; the
+// conv output never leaves registers. A tiny second kernel adds the partials of
+// each sample in a fixed order (in double) and divides by the voxel count, so
+// the same input gives the same bits on every run.
+//
+// - fused_tile_kernel: compile-time (Cin, Cout, k), the reference (3, 16, 3).
+//   A block owns a TY x (TX*V) tile of one output depth plane; the input halo
+//   (Cin x k planes x (TY+k-1) rows x (TX*V+k-1) columns) is staged in shared
+//   memory. Each thread keeps V consecutive voxels x Cout accumulators in
+//   registers; every input row it loads feeds k*V*Cout FMAs. The weights are a
+//   by-value kernel parameter (constant bank), so each FMA takes its weight as a
+//   constant operand: no load instruction per weight.
+// - fused_general_kernel: any Cin, Cout <= 64, k, read straight from global
+//   memory (through L1/L2), one voxel per thread. Correct for every shape;
+//   not tuned.
+//
+// Inputs are float32, float16 or bfloat16 with arbitrary strides, converted to
+// float32 on load; arithmetic and accumulation are float32.
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <type_traits>
+
+namespace {
+
+enum DType : int { kF32 = 0, kF16 = 1, kBF16 = 2 };
+
+struct Shape {
+  int n, cin, d, h, w;           // input sizes
+  long long sn, sc, sd, sh, sw;  // input strides, in elements
+  int cout, k;
+  int od, oh, ow;                // output spatial sizes
+};
+
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr int kMaxThreads = 256;
+constexpr int kMaxWarps = kMaxThreads / 32;
+constexpr int kGeneralMaxCout = 64;
+
+template <typename T>
+__device__ __forceinline__ float to_f32(T v);
+template <>
+__device__ __forceinline__ float to_f32<float>(float v) { return v; }
+template <>
+__device__ __forceinline__ float to_f32<__half>(__half v) { return __half2float(v); }
+template <>
+__device__ __forceinline__ float to_f32<__nv_bfloat16>(__nv_bfloat16 v) { return __bfloat162float(v); }
+
+__device__ __forceinline__ float fast_exp2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+// relu(hardswish(y)) = max(y * clamp(y/6 + 1/2, 0, 1), 0); the clamp is FFMA's saturate.
+__device__ __forceinline__ float activation(float y) {
+  return fmaxf(y * __saturatef(fmaf(y, 1.0f / 6.0f, 0.5f)), 0.0f);
+}
+
+// Softmax over the C (valid) channels of one voxel, added into psum with weight `scale`
+// (0 for padding voxels). Activations are >= 0, so 0 is a safe start for the max.
+template <int C>
+__device__ __forceinline__ void softmax_accumulate(float (&logit)[C], int valid_c, float scale, float (&psum)[C]) {
+  float m = 0.0f;
+#pragma unroll
+  for (int c = 0; c < C; ++c) {
+    logit[c] = activation(logit[c]);
+    if (c < valid_c) m = fmaxf(m, logit[c]);
+  }
+  const float ml = m * kLog2e;
+  float sum = 0.0f;
+#pragma unroll
+  for (int c = 0; c < C; ++c) {
+    logit[c] = c < valid_c ? fast_exp2(fmaf(logit[c], kLog2e, -ml)) : 0.0f;
+    sum += logit[c];
+  }
+  const float inv = scale * __frcp_rn(sum);
+#pragma unroll
+  for (int c = 0; c < C; ++c) psum[c] = fmaf(logit[c], inv, psum[c]);
+}
+
+// Sum psum[0..C) over the block (fixed order: warp butterflies, then warps in index order)
+// and write the valid channels to dst.
+template <int C>
+__device__ __forceinline__ void block_sum_to(float (&psum)[C], int valid_c, float* __restrict__ dst) {
+  __shared__ float red[kMaxWarps][C];
+  const int tid = threadIdx.y * blockDim.x + threadIdx.x;
+  const int lane = tid & 31, warp = tid >> 5;
+  const int nwarps = (blockDim.x * blockDim.y + 31) >> 5;
+#pragma unroll
+  for (int c = 0; c < C; ++c) {
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) psum[c] += __shfl_xor_sync(0xffffffffu, psum[c], off);
+  }
+  if (lane == 0) {
+#pragma unroll
+    for (int c = 0; c < C; ++c) red[warp][c] = psum[c];
+  }
+  __syncthreads();
+  if (tid < valid_c) {
+    float s = 0.0f;
+    for (int wi = 0; wi < nwarps; ++wi) s += red[wi][tid];
+    dst[tid] = s;
+  }
+}
+
+// ---------------------------------------------------------------------------
+// Specialised kernel
+
+template <int CIN, int COUT, int K>
+struct ConvWeights {
+  float w[COUT * CIN * K * K * K];  // PyTorch layout (Cout, Cin, k, k, k)
+  float b[COUT];
+};
+
+template <int K, int V, int TX>
+struct TileGeometry {
+  static constexpr int kTileW = TX * V;                  // output columns per block
+  static constexpr int kRowLoad = (V + K - 1 + 3) / 4 * 4;  // floats a thread reads per row (whole float4s)
+  // Floats per staged row: 16-byte aligned and wide enough for the last thread's float4 reads.
+  static constexpr int kPitch = (kTileW - V + kRowLoad + 3) / 4 * 4;
+};
+
+// Stage x[n, :, od : od+K, h0 : h0+IH, w0 : w0+kPitch] as float32 in smem, zero outside the input.
+template <typename T, int CIN, int K, int PITCH, bool VEC4>
+__device__ __forceinline__ void stage_tile(const T* __restrict__ x, const Shape& s, int n, int od, int h0, int w0,
+                                           int in_h, float* __restrict__ smem) {
+  const int tid = threadIdx.y * blockDim.x + threadIdx.x;
+  const int nthreads = blockDim.x * blockDim.y;
+  const T* base = x + n * s.sn + od * s.sd;
+  if constexpr (VEC4) {
+    // Contiguous float32 rows, W % 4 == 0, 16-byte aligned: one cp.async of 16 bytes per 4 columns,
+    // zero-filled past the edges without a branch around the copy.
+    constexpr int Q = PITCH / 4;
+    const int per_plane = in_h * Q;
+#pragma unroll
+    for (int plane = 0; plane < CIN * K; ++plane) {
+      const int ci = plane / K, kd = plane % K;
+      const float* src_plane = reinterpret_cast<const float*>(base) + ci * s.sc + kd * s.sd;
+      float* dst_plane = smem + plane * in_h * PITCH;
+      for (int i = tid; i < per_plane; i += nthreads) {
+        const int r = i / Q, q = i - r * Q;
+        const int gh = h0 + r, gw = w0 + 4 * q;
+        const bool inside = gh < s.h && gw < s.w;
+        const float* src = inside ? src_plane + (long long)gh * s.sh + gw : src_plane;
+        const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(dst_plane + r * PITCH + 4 * q));
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(inside ? 16 : 0));
+      }
+    }
+    asm volatile("cp.async.wait_all;\n" ::);
+  } else {
+    const int per_plane = in_h * PITCH;
+#pragma unroll
+    for (int plane = 0; plane < CIN * K; ++plane) {
+      const int ci = plane / K, kd = plane % K;
+      const T* src_plane = base + ci * s.sc + kd * s.sd;
+      float* dst_plane = smem + plane * in_h * PITCH;
+      for (int i = tid; i < per_plane; i += nthreads) {
+        const int r = i / PITCH, c = i - r * PITCH;
+        const int gh = h0 + r, gw = w0 + c;
+        dst_plane[i] = (gh < s.h && gw < s.w) ? to_f32(src_plane[(long long)gh * s.sh + (long long)gw * s.sw]) : 0.0f;
+      }
+    }
+  }
+}
+
+// V = 4 fits two 256-thread blocks per SM (<= 128 registers); V = 8 needs more registers, one block.
+template <typename T, int CIN, int COUT, int K, int V, int TX, bool VEC4>
+__global__ void __launch_bounds__(kMaxThreads, V <= 4 ? 2 : 1)
+    fused_tile_kernel(const T* __restrict__ x, const Shape s, const __grid_constant__ ConvWeights<CIN, COUT, K> p,
+                      float* __restrict__ partials, int tiles_w, int tiles_hw) {
+  using G = TileGeometry<K, V, TX>;
+  extern __shared__ __align__(16) float smem[];
+  const int ty_count = blockDim.y;
+  const int in_h = ty_count + K - 1;
+  const int tile = blockIdx.x, od = blockIdx.y, n = blockIdx.z;
+  const int h0 = (tile / tiles_w) * ty_count, w0 = (tile % tiles_w) * G::kTileW;
+
+  stage_tile<T, CIN, K, G::kPitch, VEC4>(x, s, n, od, h0, w0, in_h, smem);
+  __syncthreads();
+
+  const int tx = threadIdx.x, ty = threadIdx.y;
+  float acc[V][COUT];
+#pragma unroll
+  for (int v = 0; v < V; ++v)
+#pragma unroll
+    for (int co = 0; co < COUT; ++co) acc[v][co] = p.b[co];
+
+#pragma unroll
+  for (int ci = 0; ci < CIN; ++ci) {
+#pragma unroll
+    for (int kd = 0; kd < K; ++kd) {
+#pragma unroll
+      for (int kh = 0; kh < K; ++kh) {
+        const float* row = smem + ((ci * K + kd) * in_h + ty + kh) * G::kPitch + tx * V;
+        // Whole float4 reads (V % 4 == 0 keeps them 16-byte aligned): a quarter-warp reads one
+        // contiguous 128-byte row segment, free of bank conflicts.
+        static_assert(V % 4 == 0, "V must be a multiple of 4");
+        float in[G::kRowLoad];
+#pragma unroll
+        for (int j = 0; j < G::kRowLoad; j += 4) {
+          const float4 q = *reinterpret_cast<const float4*>(row + j);
+          in[j] = q.x; in[j + 1] = q.y; in[j + 2] = q.z; in[j + 3] = q.w;
+        }
+#pragma unroll
+        for (int kw = 0; kw < K; ++kw) {
+#pragma unroll
+          for (int co = 0; co < COUT; ++co) {
+            const float wv = p.w[(((co * CIN + ci) * K + kd) * K + kh) * K + kw];
+#pragma unroll
+            for (int v = 0; v < V; ++v) acc[v][co] = fmaf(in[v + kw], wv, acc[v][co]);
+          }
+        }
+      }
+    }
+  }
+
+  float psum[COUT];
+#pragma unroll
+  for (int co = 0; co < COUT; ++co) psum[co] = 0.0f;
+  const int oh = h0 + ty;
+#pragma unroll
+  for (int v = 0; v < V; ++v) {
+    const int ow = w0 + tx * V + v;
+    const float scale = (oh < s.oh && ow < s.ow) ? 1.0f : 0.0f;
+    softmax_accumulate<COUT>(acc[v], COUT, scale, psum);
+  }
+  const long long slot = (long long)n * tiles_hw * s.od + (long long)od * tiles_hw + tile;
+  block_sum_to<COUT>(psum, COUT, partials + slot * COUT);
+}
+
+// ---------------------------------------------------------------------------
+// General kernel
+
+template <typename T, int MAXC>
+__global__ void __launch_bounds__(kMaxThreads)
+    fused_general_kernel(const T* __restrict__ x, const Shape s, const float* __restrict__ weight,
+                         const float* __restrict__ bias, float* __restrict__ partials) {
+  const int n = blockIdx.y;
+  const long long voxels = (long long)s.od * s.oh * s.ow;
+  const long long vox = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+  const bool valid = vox < voxels;
+  const int k = s.k, cout = s.cout;
+  const long long wstride = (long long)s.cin * k * k * k;  // between output channels
+
+  float acc[MAXC];
+#pragma unroll
+  for (int c = 0; c < MAXC; ++c) acc[c] = c < cout ? __ldg(bias + c) : 0.0f;
+
+  if (valid) {
+    const int ow = static_cast<int>(vox % s.ow);
+    const int oh = static_cast<int>((vox / s.ow) % s.oh);
+    const int od = static_cast<int>(vox / ((long long)s.ow * s.oh));
+    const T* xn = x + n * s.sn + od * s.sd + oh * s.sh + ow * s.sw;
+    for (int ci = 0; ci < s.cin; ++ci) {
+      for (int kd = 0; kd < k; ++kd) {
+        for (int kh = 0; kh < k; ++kh) {
+          const T* xr = xn + ci * s.sc + kd * s.sd + kh * s.sh;
+          const float* wr = weight + ((ci * k + kd) * k + kh) * k;
+          for (int kw = 0; kw < k; ++kw) {
+            const float xv = to_f32(xr[kw * s.sw]);
+#pragma unroll
+            for (int c = 0; c < MAXC; ++c) {
+              if (c < cout) acc[c] = fmaf(xv, __ldg(wr + c * wstride + kw), acc[c]);
+            }
+          }
+        }
+      }
+    }
+  }
+  float psum[MAXC];
+#pragma unroll
+  for (int c = 0; c < MAXC; ++c) psum[c] = 0.0f;
+  softmax_accumulate<MAXC>(acc, cout, valid ? 1.0f : 0.0f, psum);
+  const long long slot = (long long)n * gridDim.x + blockIdx.x;
+  block_sum_to<MAXC>(psum, cout, partials + slot * cout);
+}
+
+// out[n, c] = sum_t partials[n, t, c] / voxels, summed in order in double.
+__global__ void finalize_kernel(const float* __restrict__ partials, float* __restrict__ out, int tiles, int cout,
+                                double inv_voxels) {
+  const int n = blockIdx.x;
+  for (int c = threadIdx.x; c < cout; c += blockDim.x) {
+    double s = 0.0;
+    const float* p = partials + (long long)n * tiles * cout + c;
+    for (int t = 0; t < tiles; ++t) s += p[(long long)t * cout];
+    out[(long long)n * cout + c] = static_cast<float>(s * inv_voxels);
+  }
+}
+
+// ---------------------------------------------------------------------------
+// Host side
+
+thread_local char g_error[512] = "";
+
+int fail(const char* fmt, const char* detail) {
+  snprintf(g_error, sizeof g_error, fmt, detail);
+  return 1;
+}
+
+int check_launch(const char* what) {
+  const cudaError_t err = cudaGetLastError();
+  if (err != cudaSuccess) {
+    snprintf(g_error, sizeof g_error, "%s launch failed: %s", what, cudaGetErrorString(err));
+    return 1;
+  }
+  return 0;
+}
+
+// The reference configuration; its tiling is TX threads x V voxels across W, TY rows.
+constexpr int kRefCin = 3, kRefCout = 16, kRefK = 3;
+
+struct Plan {
+  bool specialised;
+  int v, tx;                 // specialised: voxels per thread along W, threads along W
+  int tiles_w, tiles_h, ty;  // specialised
+  int blocks;                // per sample: tiles_w * tiles_h * od, or general blocks
+  long long partial_floats;
+};
+
+// variant: 0 picks the default tiling; 4 or 8 forces V (benchmarks compare them).
+Plan make_plan(const Shape& s, int variant) {
+  Plan p{};
+  p.specialised = s.cin == kRefCin && s.cout == kRefCout && s.k == kRefK;
+  if (p.specialised) {
+    p.v = variant == 8 ? 8 : 4;
+    p.tx = 32 / p.v;  // a tile is 32 output columns wide
+    p.tiles_w = (s.ow + 31) / 32;
+    // Balanced rows per tile, rounded up so that blocks are whole warps (the block reduction
+    // shuffles across full warps).
+    const int max_ty = kMaxThreads / p.tx, warp_rows = 32 / p.tx;
+    p.tiles_h = (s.oh + max_ty - 1) / max_ty;
+    p.ty = ((s.oh + p.tiles_h - 1) / p.tiles_h + warp_rows - 1) / warp_rows * warp_rows;
+    p.blocks = p.tiles_w * p.tiles_h * s.od;
+  } else {
+    const long long voxels = (long long)s.od * s.oh * s.ow;
+    p.blocks = static_cast<int>((voxels + kMaxThreads - 1) / kMaxThreads);
+  }
+  p.partial_floats = (long long)s.n * p.blocks * s.cout;
+  return p;
+}
+
+template <typename T, int V, bool VEC4>
+int launch_tile(const void* x, const Shape& s, const Plan& plan, const float* w_host, const float* b_host,
+                float* partials, cudaStream_t stream) {
+  constexpr int TX = 32 / V;
+  using G = TileGeometry<kRefK, V, TX>;
+  ConvWeights<kRefCin, kRefCout, kRefK> params;
+  memcpy(params.w, w_host, sizeof params.w);
+  memcpy(params.b, b_host, sizeof params.b);
+  auto kernel = fused_tile_kernel<T, kRefCin, kRefCout, kRefK, V, TX, VEC4>;
+  const size_t smem = sizeof(float) * kRefCin * kRefK * (plan.ty + kRefK - 1) * G::kPitch;
+  if (smem > 48 * 1024) {
+    const cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
+    if (err != cudaSuccess) return fail("raising the shared-memory limit failed: %s", cudaGetErrorString(err));
+  }
+  const dim3 grid(plan.tiles_w * plan.tiles_h, s.od, s.n), block(TX, plan.ty);
+  kernel<<<grid, block, smem, stream>>>(static_cast<const T*>(x), s, params, partials, plan.tiles_w,
+                                        plan.tiles_w * plan.tiles_h);
+  return check_launch("fused_tile_kernel");
+}
+
+template <typename T>
+int launch_general(const void* x, const Shape& s, const Plan& plan, const float* w_dev, const float* b_dev,
+                   float* partials, cudaStream_t stream) {
+  const dim3 grid(plan.blocks, s.n), block(kMaxThreads);
+  const T* xt = static_cast<const T*>(x);
+  if (s.cout <= 8) {
+    fused_general_kernel<T, 8><<<grid, block, 0, stream>>>(xt, s, w_dev, b_dev, partials);
+  } else if (s.cout <= 16) {
+    fused_general_kernel<T, 16><<<grid, block, 0, stream>>>(xt, s, w_dev, b_dev, partials);
+  } else if (s.cout <= 32) {
+    fused_general_kernel<T, 32><<<grid, block, 0, stream>>>(xt, s, w_dev, b_dev, partials);
+  } else {
+    fused_general_kernel<T, 64><<<grid, block, 0, stream>>>(xt, s, w_dev, b_dev, partials);
+  }
+  return check_launch("fused_general_kernel");
+}
+
+template <typename T>
+int dispatch(const void* x, const Shape& s, const Plan& plan, bool vec4, const float* w_dev, const float* b_dev,
+             const float* w_host, const float* b_host, float* partials, cudaStream_t stream) {
+  if (!plan.specialised) return launch_general<T>(x, s, plan, w_dev, b_dev, partials, stream);
+  if constexpr (std::is_same<T, float>::value) {
+    if (vec4) {
+      return plan.v == 8 ? launch_tile<float, 8, true>(x, s, plan, w_host, b_host, partials, stream)
+                         : launch_tile<float, 4, true>(x, s, plan, w_host, b_host, partials, stream);
+    }
+  }
+  return plan.v == 8 ? launch_tile<T, 8, false>(x, s, plan, w_host, b_host, partials, stream)
+                     : launch_tile<T, 4, false>(x, s, plan, w_host, b_host, partials, stream);
+}
+
+bool fill_shape(const long long* sizes, const long long* strides, int cout, int k, Shape* s) {
+  for (int i = 0; i < 5; ++i) {
+    if (sizes[i] < 1 || sizes[i] > INT32_MAX) return false;
+  }
+  s->n = (int)sizes[0]; s->cin = (int)sizes[1]; s->d = (int)sizes[2]; s->h = (int)sizes[3]; s->w = (int)sizes[4];
+  s->sn = strides[0]; s->sc = strides[1]; s->sd = strides[2]; s->sh = strides[3]; s->sw = strides[4];
+  s->cout = cout; s->k = k;
+  s->od = s->d - k + 1; s->oh = s->h - k + 1; s->ow = s->w - k + 1;
+  return k >= 1 && cout >= 1 && s->od >= 1 && s->oh >= 1 && s->ow >= 1;
+}
+
+}  // namespace
+
+extern "C" {
+
+// The last error message of this thread ("" when none).
+const char* voxserve_last_error() { return g_error; }
+
+// 1 when (Cin, Cout, k) runs the specialised kernel (it then needs host copies of the weights).
+int voxserve_is_specialised(int cin, int cout, int k) { return cin == kRefCin && cout == kRefCout && k == kRefK; }
+
+// Floats of scratch space voxserve_forward needs for this shape, or -1 for an invalid shape.
+long long voxserve_workspace_floats(const long long* sizes, int cout, int k, int variant) {
+  const long long strides[5] = {0, 0, 0, 0, 0};
+  Shape s;
+  if (!fill_shape(sizes, strides, cout, k, &s)) return -1;
+  return make_plan(s, variant).partial_floats;
+}
+
+// out (N, Cout) float32 = the model on x, enqueued on `stream`. Returns 0, or 1 with voxserve_last_error().
+// w_dev/b_dev: device float32 weights (Cout, Cin, k, k, k) and bias; w_host/b_host: the same values on the host,
+// required when voxserve_is_specialised(). workspace: voxserve_workspace_floats() floats on the device.
+// variant: 0 for the default tiling (see make_plan). device: the CUDA device that x, out and stream belong to
+// (this library has its own CUDA runtime, so the caller's current device is not known here).
+int voxserve_forward(const void* x, int dtype, const long long* sizes, const long long* strides, int cout, int k,
+                     const float* w_dev, const float* b_dev, const float* w_host, const float* b_host, float* out,
+                     float* workspace, int variant, int device, void* stream_handle) {
+  g_error[0] = '\0';
+  const cudaError_t dev_err = cudaSetDevice(device);
+  if (dev_err != cudaSuccess) return fail("cudaSetDevice failed: %s", cudaGetErrorString(dev_err));
+  Shape s;
+  if (!fill_shape(sizes, strides, cout, k, &s)) return fail("invalid shape for the fused kernel%s", "");
+  if (cout > kGeneralMaxCout && !voxserve_is_specialised(s.cin, cout, k)) {
+    return fail("Cout above 64 is not supported by the fused kernel%s", "");
+  }
+  const Plan plan = make_plan(s, variant);
+  if (plan.specialised && (w_host == nullptr || b_host == nullptr)) {
+    return fail("the specialised kernel needs host copies of the weights%s", "");
+  }
+  cudaStream_t stream = static_cast<cudaStream_t>(stream_handle);
+  const bool vec4 = dtype == kF32 && s.sw == 1 && s.w % 4 == 0 && s.sh % 4 == 0 && s.sd % 4 == 0 && s.sc % 4 == 0 &&
+                    s.sn % 4 == 0 && (reinterpret_cast<uintptr_t>(x) % 16) == 0;
+  int rc;
+  switch (dtype) {
+    case kF32: rc = dispatch<float>(x, s, plan, vec4, w_dev, b_dev, w_host, b_host, workspace, stream); break;
+    case kF16: rc = dispatch<__half>(x, s, plan, false, w_dev, b_dev, w_host, b_host, workspace, stream); break;
+    case kBF16:
+      rc = dispatch<__nv_bfloat16>(x, s, plan, false, w_dev, b_dev, w_host, b_host, workspace, stream);
+      break;
+    default: return fail("unsupported input dtype code%s", "");
+  }
+  if (rc != 0) return rc;
+  const double voxels = (double)s.od * s.oh * s.ow;
+  finalize_kernel<<<s.n, 32, 0, stream>>>(workspace, out, plan.blocks, cout, 1.0 / voxels);
+  return check_launch("finalize_kernel");
+}
+
+}  // extern "C"
