@@ -80,6 +80,9 @@ def main(argv=None) -> int:
     parser.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
     parser.add_argument("--iters", type=int, default=50)
     parser.add_argument("--skip-compile", action="store_true", help="leave torch.compile out (it is slow to build)")
+    parser.add_argument("--variants", default="0", help="comma-separated kernel variants to time (0 = default; "
+                        f"others: {','.join(map(str, cuda_kernels.VARIANTS))})")
+    parser.add_argument("--shapes", default=None, help="N,C,D,H,W;... (default: the four benchmark shapes)")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("kernel_bench needs a CUDA GPU", file=sys.stderr)
@@ -98,8 +101,10 @@ def main(argv=None) -> int:
           f"library {lib.path}", flush=True)
 
     compiled = None if args.skip_compile else torch.compile(reference)
+    variants = [int(v) for v in args.variants.split(",")]
+    shapes = [tuple(int(v) for v in s.split(",")) for s in args.shapes.split(";")] if args.shapes else SHAPES
     rows = []
-    for shape in SHAPES:
+    for shape in shapes:
         n, cin, d, h, wd = shape
         voxels = n * (d - 2) * (h - 2) * (wd - 2)
         fmas = voxels * 16 * cin * 27
@@ -121,9 +126,10 @@ def main(argv=None) -> int:
         torch.backends.cudnn.allow_tf32 = False
         if compiled is not None:
             results["torch.compile"] = time_fn(lambda x: compiled(x, w, b), inputs, args.iters, block)
-        for variant in (4, 8):
-            results[f"fused V={variant}"] = time_fn(lambda x, v=variant: cuda_kernels.forward(x, w, b, v), inputs,
-                                                   args.iters, block)
+        for variant in variants:
+            label = "fused" if variant == 0 else f"fused v{variant}"
+            results[label] = time_fn(lambda x, v=variant: cuda_kernels.forward(x, w, b, v), inputs, args.iters,
+                                     block)
         cache = GraphCache(w, b, min_uses=1, max_input_bytes=1 << 40)
         cache.note(inputs[0])
         entry = cache.lookup(inputs[0])

@@ -34,6 +34,9 @@ LIBRARY_NAME = "libvoxserve_fused.so"
 NVCC_FLAGS = ("-O3", "-std=c++17", "-shared", "-Xcompiler", "-fPIC", "-lineinfo")
 DEFAULT_ARCHS = ("9.0",)  # H100 / H200
 GENERAL_MAX_COUT = 64
+# Tilings of the specialised kernel (see make_plan in csrc/fused.cu): ones digit V, hundreds digit 1 =
+# weights from shared memory, thousands digit 1 = blocks of at most 128 threads. 0 is the default.
+VARIANTS = (4, 8, 104, 108, 1004, 1104)
 _DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 
 
@@ -66,7 +69,7 @@ def find_nvcc() -> str:
 
 
 def parse_arch_list(text: str) -> tuple[str, ...]:
-    """'8.0;9.0+PTX' or '80 90' -> ('8.0', '9.0+PTX'), the TORCH_CUDA_ARCH_LIST convention."""
+    """'8.0;9.0a;9.0+PTX' or '80 90' -> ('8.0', '9.0a', '9.0+PTX'), the TORCH_CUDA_ARCH_LIST convention."""
     archs = []
     for item in text.replace(",", " ").replace(";", " ").split():
         ptx = item.endswith("+PTX")
@@ -74,7 +77,8 @@ def parse_arch_list(text: str) -> tuple[str, ...]:
         if "." not in base and base.isdigit() and len(base) >= 2:
             base = f"{base[:-1]}.{base[-1]}"
         major, _, minor = base.partition(".")
-        if not (major.isdigit() and minor.isdigit()):
+        suffix = minor[-1:] if minor[-1:] in ("a", "f") else ""  # arch-specific targets, e.g. 9.0a
+        if not (major.isdigit() and minor.removesuffix(suffix).isdigit()):
             raise KernelBuildError(f"cannot read CUDA architecture {item!r} (expected e.g. 9.0 or 9.0+PTX)")
         archs.append(base + ("+PTX" if ptx else ""))
     if not archs:

@@ -78,7 +78,7 @@ def test_sixty_random_shapes_match_float64(rng):
         assert err <= FP32_TOL, f"case {i}: {shape} cout={cout} k={k} {dtype} {layout}: error {err:.3e}"
 
 
-@pytest.mark.parametrize("variant", [0, 4, 8])
+@pytest.mark.parametrize("variant", [0, *cuda_kernels.VARIANTS])
 @pytest.mark.parametrize("shape", [(128, 3, 16, 32, 32), (1, 3, 16, 32, 32), (8, 3, 16, 32, 32), (2, 3, 32, 64, 64),
                                    (3, 3, 3, 3, 3), (2, 3, 5, 40, 70), (1, 3, 9, 67, 5)])
 def test_reference_configuration_all_variants(rng, shape, variant):

@@ -177,7 +177,9 @@ __device__ __forceinline__ void stage_tile(const T* __restrict__ x, const Shape&
 }
 
 // V = 4 fits two 256-thread blocks per SM (<= 128 registers); V = 8 needs more registers, one block.
-template <typename T, int CIN, int COUT, int K, int V, int TX, bool VEC4>
+// WSMEM: read the weights as float4s from a transposed copy in shared memory (4 weights per load, each
+// used V times) instead of one uniform constant load per weight.
+template <typename T, int CIN, int COUT, int K, int V, int TX, bool VEC4, bool WSMEM>
 __global__ void __launch_bounds__(kMaxThreads, V <= 4 ? 2 : 1)
     fused_tile_kernel(const T* __restrict__ x, const Shape s, const __grid_constant__ ConvWeights<CIN, COUT, K> p,
                       float* __restrict__ partials, int tiles_w, int tiles_hw) {
@@ -188,6 +190,15 @@ __global__ void __launch_bounds__(kMaxThreads, V <= 4 ? 2 : 1)
   const int tile = blockIdx.x, od = blockIdx.y, n = blockIdx.z;
   const int h0 = (tile / tiles_w) * ty_count, w0 = (tile % tiles_w) * G::kTileW;
 
+  constexpr int kTaps = CIN * K * K * K;
+  __shared__ __align__(16) float s_w[WSMEM ? kTaps * COUT : 4];  // [tap][co]
+  if constexpr (WSMEM) {
+    static_assert(COUT % 4 == 0, "float4 weight reads need Cout % 4 == 0");
+    for (int i = threadIdx.y * blockDim.x + threadIdx.x; i < kTaps * COUT; i += blockDim.x * blockDim.y) {
+      const int tap = i / COUT, co = i - tap * COUT;
+      s_w[i] = p.w[co * kTaps + tap];
+    }
+  }
   stage_tile<T, CIN, K, G::kPitch, VEC4>(x, s, n, od, h0, w0, in_h, smem);
   __syncthreads();
 
@@ -216,11 +227,21 @@ __global__ void __launch_bounds__(kMaxThreads, V <= 4 ? 2 : 1)
         }
 #pragma unroll
         for (int kw = 0; kw < K; ++kw) {
+          const int tap = ((ci * K + kd) * K + kh) * K + kw;
 #pragma unroll
-          for (int co = 0; co < COUT; ++co) {
-            const float wv = p.w[(((co * CIN + ci) * K + kd) * K + kh) * K + kw];
+          for (int co4 = 0; co4 < COUT; co4 += 4) {
+            float wv[4];
+            if constexpr (WSMEM) {
+              const float4 q = *reinterpret_cast<const float4*>(s_w + tap * COUT + co4);
+              wv[0] = q.x; wv[1] = q.y; wv[2] = q.z; wv[3] = q.w;
+            } else {
 #pragma unroll
-            for (int v = 0; v < V; ++v) acc[v][co] = fmaf(in[v + kw], wv, acc[v][co]);
+              for (int j = 0; j < 4; ++j) wv[j] = p.w[(co4 + j) * kTaps + tap];
+            }
+#pragma unroll
+            for (int j = 0; j < 4; ++j)
+#pragma unroll
+              for (int v = 0; v < V; ++v) acc[v][co4 + j] = fmaf(in[v + kw], wv[j], acc[v][co4 + j]);
           }
         }
       }
@@ -325,22 +346,28 @@ constexpr int kRefCin = 3, kRefCout = 16, kRefK = 3;
 struct Plan {
   bool specialised;
   int v, tx;                 // specialised: voxels per thread along W, threads along W
+  bool wsmem;                // specialised: weights from shared memory
   int tiles_w, tiles_h, ty;  // specialised
   int blocks;                // per sample: tiles_w * tiles_h * od, or general blocks
   long long partial_floats;
 };
 
-// variant: 0 picks the default tiling; 4 or 8 forces V (benchmarks compare them).
+// variant: 0 picks the default tiling; otherwise digits select it for benchmarks:
+// ones: V (4 or 8); hundreds: 1 = weights in shared memory; thousands: 1 = blocks of at most 128 threads.
+constexpr int kDefaultVariant = 4;
 Plan make_plan(const Shape& s, int variant) {
   Plan p{};
+  if (variant == 0) variant = kDefaultVariant;
   p.specialised = s.cin == kRefCin && s.cout == kRefCout && s.k == kRefK;
   if (p.specialised) {
-    p.v = variant == 8 ? 8 : 4;
+    p.v = variant % 100 == 8 ? 8 : 4;
+    p.wsmem = (variant / 100) % 10 == 1;
+    const int max_threads = (variant / 1000) % 10 == 1 ? 128 : kMaxThreads;
     p.tx = 32 / p.v;  // a tile is 32 output columns wide
     p.tiles_w = (s.ow + 31) / 32;
     // Balanced rows per tile, rounded up so that blocks are whole warps (the block reduction
     // shuffles across full warps).
-    const int max_ty = kMaxThreads / p.tx, warp_rows = 32 / p.tx;
+    const int max_ty = max_threads / p.tx, warp_rows = 32 / p.tx;
     p.tiles_h = (s.oh + max_ty - 1) / max_ty;
     p.ty = ((s.oh + p.tiles_h - 1) / p.tiles_h + warp_rows - 1) / warp_rows * warp_rows;
     p.blocks = p.tiles_w * p.tiles_h * s.od;
@@ -352,7 +379,7 @@ Plan make_plan(const Shape& s, int variant) {
   return p;
 }
 
-template <typename T, int V, bool VEC4>
+template <typename T, int V, bool VEC4, bool WSMEM>
 int launch_tile(const void* x, const Shape& s, const Plan& plan, const float* w_host, const float* b_host,
                 float* partials, cudaStream_t stream) {
   constexpr int TX = 32 / V;
@@ -360,7 +387,7 @@ int launch_tile(const void* x, const Shape& s, const Plan& plan, const float* w_
   ConvWeights<kRefCin, kRefCout, kRefK> params;
   memcpy(params.w, w_host, sizeof params.w);
   memcpy(params.b, b_host, sizeof params.b);
-  auto kernel = fused_tile_kernel<T, kRefCin, kRefCout, kRefK, V, TX, VEC4>;
+  auto kernel = fused_tile_kernel<T, kRefCin, kRefCout, kRefK, V, TX, VEC4, WSMEM>;
   const size_t smem = sizeof(float) * kRefCin * kRefK * (plan.ty + kRefK - 1) * G::kPitch;
   if (smem > 48 * 1024) {
     const cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
@@ -389,18 +416,25 @@ int launch_general(const void* x, const Shape& s, const Plan& plan, const float*
   return check_launch("fused_general_kernel");
 }
 
+template <typename T, bool VEC4>
+int dispatch_tile(const void* x, const Shape& s, const Plan& plan, const float* w_host, const float* b_host,
+                  float* partials, cudaStream_t stream) {
+  if (plan.v == 8) {
+    return plan.wsmem ? launch_tile<T, 8, VEC4, true>(x, s, plan, w_host, b_host, partials, stream)
+                      : launch_tile<T, 8, VEC4, false>(x, s, plan, w_host, b_host, partials, stream);
+  }
+  return plan.wsmem ? launch_tile<T, 4, VEC4, true>(x, s, plan, w_host, b_host, partials, stream)
+                    : launch_tile<T, 4, VEC4, false>(x, s, plan, w_host, b_host, partials, stream);
+}
+
 template <typename T>
 int dispatch(const void* x, const Shape& s, const Plan& plan, bool vec4, const float* w_dev, const float* b_dev,
              const float* w_host, const float* b_host, float* partials, cudaStream_t stream) {
   if (!plan.specialised) return launch_general<T>(x, s, plan, w_dev, b_dev, partials, stream);
   if constexpr (std::is_same<T, float>::value) {
-    if (vec4) {
-      return plan.v == 8 ? launch_tile<float, 8, true>(x, s, plan, w_host, b_host, partials, stream)
-                         : launch_tile<float, 4, true>(x, s, plan, w_host, b_host, partials, stream);
-    }
+    if (vec4) return dispatch_tile<float, true>(x, s, plan, w_host, b_host, partials, stream);
   }
-  return plan.v == 8 ? launch_tile<T, 8, false>(x, s, plan, w_host, b_host, partials, stream)
-                     : launch_tile<T, 4, false>(x, s, plan, w_host, b_host, partials, stream);
+  return dispatch_tile<T, false>(x, s, plan, w_host, b_host, partials, stream);
 }
 
 bool fill_shape(const long long* sizes, const long long* strides, int cout, int k, Shape* s) {
