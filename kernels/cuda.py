@@ -34,9 +34,10 @@ LIBRARY_NAME = "libvoxserve_fused.so"
 NVCC_FLAGS = ("-O3", "-std=c++17", "-shared", "-Xcompiler", "-fPIC", "-lineinfo")
 DEFAULT_ARCHS = ("9.0",)  # H100 / H200
 GENERAL_MAX_COUT = 64
-# Tilings of the specialised kernel (see make_plan in csrc/fused.cu): ones digit V, hundreds digit 1 =
-# weights from shared memory, thousands digit 1 = blocks of at most 128 threads. 0 is the default.
-VARIANTS = (4, 8, 104, 108, 1004, 1104)
+# Tilings of the specialised kernel (see make_plan in csrc/fused.cu): ones digit V, hundreds digit the
+# weight mode (0 constant, 1 shared memory, 2 shared memory with a rolled plane loop), thousands digit 1 =
+# blocks of at most 128 threads. 0 is the default.
+VARIANTS = (4, 8, 104, 204, 208, 1204)
 _DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 
 

@@ -48,6 +48,7 @@ constexpr float kLog2e = 1.4426950408889634f;
 constexpr int kMaxThreads = 256;
 constexpr int kMaxWarps = kMaxThreads / 32;
 constexpr int kGeneralMaxCout = 64;
+constexpr int kMaxDevices = 64;
 
 template <typename T>
 __device__ __forceinline__ float to_f32(T v);
@@ -177,9 +178,12 @@ __device__ __forceinline__ void stage_tile(const T* __restrict__ x, const Shape&
 }
 
 // V = 4 fits two 256-thread blocks per SM (<= 128 registers); V = 8 needs more registers, one block.
-// WSMEM: read the weights as float4s from a transposed copy in shared memory (4 weights per load, each
-// used V times) instead of one uniform constant load per weight.
-template <typename T, int CIN, int COUT, int K, int V, int TX, bool VEC4, bool WSMEM>
+// WMODE 0: each weight is a uniform constant load (the kernel parameter), the loops fully unrolled.
+// WMODE 1: the weights are read as float4s from a transposed copy in shared memory (4 weights per load,
+//          each used V times), fully unrolled.
+// WMODE 2: as 1, but the Cin x k input planes are a run-time loop: a ninth of the code, so the unrolled
+//          body stays in the instruction cache.
+template <typename T, int CIN, int COUT, int K, int V, int TX, bool VEC4, int WMODE>
 __global__ void __launch_bounds__(kMaxThreads, V <= 4 ? 2 : 1)
     fused_tile_kernel(const T* __restrict__ x, const Shape s, const __grid_constant__ ConvWeights<CIN, COUT, K> p,
                       float* __restrict__ partials, int tiles_w, int tiles_hw) {
@@ -191,8 +195,9 @@ __global__ void __launch_bounds__(kMaxThreads, V <= 4 ? 2 : 1)
   const int h0 = (tile / tiles_w) * ty_count, w0 = (tile % tiles_w) * G::kTileW;
 
   constexpr int kTaps = CIN * K * K * K;
-  __shared__ __align__(16) float s_w[WSMEM ? kTaps * COUT : 4];  // [tap][co]
-  if constexpr (WSMEM) {
+  constexpr bool kSmemWeights = WMODE != 0;
+  __shared__ __align__(16) float s_w[kSmemWeights ? kTaps * COUT : 4];  // [tap][co]
+  if constexpr (kSmemWeights) {
     static_assert(COUT % 4 == 0, "float4 weight reads need Cout % 4 == 0");
     for (int i = threadIdx.y * blockDim.x + threadIdx.x; i < kTaps * COUT; i += blockDim.x * blockDim.y) {
       const int tap = i / COUT, co = i - tap * COUT;
@@ -209,40 +214,38 @@ __global__ void __launch_bounds__(kMaxThreads, V <= 4 ? 2 : 1)
 #pragma unroll
     for (int co = 0; co < COUT; ++co) acc[v][co] = p.b[co];
 
+  constexpr int kPlaneUnroll = WMODE == 2 ? 1 : CIN * K;
+#pragma unroll kPlaneUnroll
+  for (int plane = 0; plane < CIN * K; ++plane) {  // plane = ci * K + kd
 #pragma unroll
-  for (int ci = 0; ci < CIN; ++ci) {
+    for (int kh = 0; kh < K; ++kh) {
+      const float* row = smem + (plane * in_h + ty + kh) * G::kPitch + tx * V;
+      // Whole float4 reads (V % 4 == 0 keeps them 16-byte aligned): a quarter-warp reads one
+      // contiguous 128-byte row segment, free of bank conflicts.
+      static_assert(V % 4 == 0, "V must be a multiple of 4");
+      float in[G::kRowLoad];
 #pragma unroll
-    for (int kd = 0; kd < K; ++kd) {
+      for (int j = 0; j < G::kRowLoad; j += 4) {
+        const float4 q = *reinterpret_cast<const float4*>(row + j);
+        in[j] = q.x; in[j + 1] = q.y; in[j + 2] = q.z; in[j + 3] = q.w;
+      }
 #pragma unroll
-      for (int kh = 0; kh < K; ++kh) {
-        const float* row = smem + ((ci * K + kd) * in_h + ty + kh) * G::kPitch + tx * V;
-        // Whole float4 reads (V % 4 == 0 keeps them 16-byte aligned): a quarter-warp reads one
-        // contiguous 128-byte row segment, free of bank conflicts.
-        static_assert(V % 4 == 0, "V must be a multiple of 4");
-        float in[G::kRowLoad];
+      for (int kw = 0; kw < K; ++kw) {
+        const int tap = (plane * K + kh) * K + kw;
 #pragma unroll
-        for (int j = 0; j < G::kRowLoad; j += 4) {
-          const float4 q = *reinterpret_cast<const float4*>(row + j);
-          in[j] = q.x; in[j + 1] = q.y; in[j + 2] = q.z; in[j + 3] = q.w;
-        }
+        for (int co4 = 0; co4 < COUT; co4 += 4) {
+          float wv[4];
+          if constexpr (kSmemWeights) {
+            const float4 q = *reinterpret_cast<const float4*>(s_w + tap * COUT + co4);
+            wv[0] = q.x; wv[1] = q.y; wv[2] = q.z; wv[3] = q.w;
+          } else {
 #pragma unroll
-        for (int kw = 0; kw < K; ++kw) {
-          const int tap = ((ci * K + kd) * K + kh) * K + kw;
-#pragma unroll
-          for (int co4 = 0; co4 < COUT; co4 += 4) {
-            float wv[4];
-            if constexpr (WSMEM) {
-              const float4 q = *reinterpret_cast<const float4*>(s_w + tap * COUT + co4);
-              wv[0] = q.x; wv[1] = q.y; wv[2] = q.z; wv[3] = q.w;
-            } else {
-#pragma unroll
-              for (int j = 0; j < 4; ++j) wv[j] = p.w[(co4 + j) * kTaps + tap];
-            }
-#pragma unroll
-            for (int j = 0; j < 4; ++j)
-#pragma unroll
-              for (int v = 0; v < V; ++v) acc[v][co4 + j] = fmaf(in[v + kw], wv[j], acc[v][co4 + j]);
+            for (int j = 0; j < 4; ++j) wv[j] = p.w[(co4 + j) * kTaps + tap];
           }
+#pragma unroll
+          for (int j = 0; j < 4; ++j)
+#pragma unroll
+            for (int v = 0; v < V; ++v) acc[v][co4 + j] = fmaf(in[v + kw], wv[j], acc[v][co4 + j]);
         }
       }
     }
@@ -346,14 +349,14 @@ constexpr int kRefCin = 3, kRefCout = 16, kRefK = 3;
 struct Plan {
   bool specialised;
   int v, tx;                 // specialised: voxels per thread along W, threads along W
-  bool wsmem;                // specialised: weights from shared memory
+  int wmode;                 // specialised: weight source and unrolling (fused_tile_kernel's WMODE)
   int tiles_w, tiles_h, ty;  // specialised
   int blocks;                // per sample: tiles_w * tiles_h * od, or general blocks
   long long partial_floats;
 };
 
 // variant: 0 picks the default tiling; otherwise digits select it for benchmarks:
-// ones: V (4 or 8); hundreds: 1 = weights in shared memory; thousands: 1 = blocks of at most 128 threads.
+// ones: V (4 or 8); hundreds: WMODE (0, 1, 2); thousands: 1 = blocks of at most 128 threads.
 constexpr int kDefaultVariant = 4;
 Plan make_plan(const Shape& s, int variant) {
   Plan p{};
@@ -361,7 +364,7 @@ Plan make_plan(const Shape& s, int variant) {
   p.specialised = s.cin == kRefCin && s.cout == kRefCout && s.k == kRefK;
   if (p.specialised) {
     p.v = variant % 100 == 8 ? 8 : 4;
-    p.wsmem = (variant / 100) % 10 == 1;
+    p.wmode = (variant / 100) % 10 <= 2 ? (variant / 100) % 10 : 0;
     const int max_threads = (variant / 1000) % 10 == 1 ? 128 : kMaxThreads;
     p.tx = 32 / p.v;  // a tile is 32 output columns wide
     p.tiles_w = (s.ow + 31) / 32;
@@ -379,7 +382,7 @@ Plan make_plan(const Shape& s, int variant) {
   return p;
 }
 
-template <typename T, int V, bool VEC4, bool WSMEM>
+template <typename T, int V, bool VEC4, int WMODE>
 int launch_tile(const void* x, const Shape& s, const Plan& plan, const float* w_host, const float* b_host,
                 float* partials, cudaStream_t stream) {
   constexpr int TX = 32 / V;
@@ -387,11 +390,19 @@ int launch_tile(const void* x, const Shape& s, const Plan& plan, const float* w_
   ConvWeights<kRefCin, kRefCout, kRefK> params;
   memcpy(params.w, w_host, sizeof params.w);
   memcpy(params.b, b_host, sizeof params.b);
-  auto kernel = fused_tile_kernel<T, kRefCin, kRefCout, kRefK, V, TX, VEC4, WSMEM>;
+  auto kernel = fused_tile_kernel<T, kRefCin, kRefCout, kRefK, V, TX, VEC4, WMODE>;
   const size_t smem = sizeof(float) * kRefCin * kRefK * (plan.ty + kRefK - 1) * G::kPitch;
-  if (smem > 48 * 1024) {
+  // Static (weights) plus dynamic (tile) shared memory may pass the 48 KiB default: raise the limit once
+  // per instantiation to what this launch needs (a benign race if two threads do it at once).
+  // The attribute is per device.
+  static size_t configured[kMaxDevices] = {};
+  int device = 0;
+  cudaGetDevice(&device);
+  if (device < 0 || device >= kMaxDevices) return fail("device index out of range%s", "");
+  if (smem > configured[device]) {
     const cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
     if (err != cudaSuccess) return fail("raising the shared-memory limit failed: %s", cudaGetErrorString(err));
+    configured[device] = smem;
   }
   const dim3 grid(plan.tiles_w * plan.tiles_h, s.od, s.n), block(TX, plan.ty);
   kernel<<<grid, block, smem, stream>>>(static_cast<const T*>(x), s, params, partials, plan.tiles_w,
@@ -420,11 +431,17 @@ template <typename T, bool VEC4>
 int dispatch_tile(const void* x, const Shape& s, const Plan& plan, const float* w_host, const float* b_host,
                   float* partials, cudaStream_t stream) {
   if (plan.v == 8) {
-    return plan.wsmem ? launch_tile<T, 8, VEC4, true>(x, s, plan, w_host, b_host, partials, stream)
-                      : launch_tile<T, 8, VEC4, false>(x, s, plan, w_host, b_host, partials, stream);
+    switch (plan.wmode) {
+      case 1: return launch_tile<T, 8, VEC4, 1>(x, s, plan, w_host, b_host, partials, stream);
+      case 2: return launch_tile<T, 8, VEC4, 2>(x, s, plan, w_host, b_host, partials, stream);
+      default: return launch_tile<T, 8, VEC4, 0>(x, s, plan, w_host, b_host, partials, stream);
+    }
   }
-  return plan.wsmem ? launch_tile<T, 4, VEC4, true>(x, s, plan, w_host, b_host, partials, stream)
-                    : launch_tile<T, 4, VEC4, false>(x, s, plan, w_host, b_host, partials, stream);
+  switch (plan.wmode) {
+    case 1: return launch_tile<T, 4, VEC4, 1>(x, s, plan, w_host, b_host, partials, stream);
+    case 2: return launch_tile<T, 4, VEC4, 2>(x, s, plan, w_host, b_host, partials, stream);
+    default: return launch_tile<T, 4, VEC4, 0>(x, s, plan, w_host, b_host, partials, stream);
+  }
 }
 
 template <typename T>
