@@ -9,8 +9,10 @@ from voxserve.kernels import reference_float64
 
 gen = torch.Generator().manual_seed(1)
 cases = [
-    ((2, 3, 16, 32, 32), 16, 3, torch.float32, "contiguous", 4),
-    ((2, 3, 16, 32, 32), 16, 3, torch.float32, "contiguous", 8),
+    ((2, 3, 16, 32, 32), 16, 3, torch.float32, "contiguous", 1),
+    ((2, 3, 16, 32, 32), 16, 3, torch.float32, "contiguous", 2),
+    ((3, 3, 7, 37, 41), 16, 3, torch.float32, "contiguous", 2),
+    ((1, 3, 40, 12, 8), 16, 3, torch.float32, "contiguous", 2),
     ((1, 3, 5, 9, 17), 16, 3, torch.float16, "contiguous", 0),
     ((2, 3, 6, 7, 9), 16, 3, torch.float32, "permuted", 0),
     ((2, 4, 6, 7, 9), 20, 2, torch.bfloat16, "contiguous", 0),

@@ -34,10 +34,9 @@ LIBRARY_NAME = "libvoxserve_fused.so"
 NVCC_FLAGS = ("-O3", "-std=c++17", "-shared", "-Xcompiler", "-fPIC", "-lineinfo")
 DEFAULT_ARCHS = ("9.0",)  # H100 / H200
 GENERAL_MAX_COUT = 64
-# Tilings of the specialised kernel (see make_plan in csrc/fused.cu): ones digit V, hundreds digit the
-# weight mode (0 constant, 1 shared memory, 2 shared memory with a rolled plane loop), thousands digit 1 =
-# blocks of at most 128 threads. 0 is the default.
-VARIANTS = (4, 8, 104, 204, 208, 1204)
+# Kernel choice for the reference configuration (make_plan in csrc/fused.cu): 0 chooses, 1 forces the
+# tile kernel, 2 the sliding-window kernel (contiguous float32 only; others fall back to the tile kernel).
+VARIANTS = (1, 2)
 _DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 
 
@@ -150,7 +149,7 @@ class _Library:
         lib.voxserve_last_error.restype = ctypes.c_char_p
         lib.voxserve_is_specialised.argtypes = [i, i, i]
         lib.voxserve_is_specialised.restype = i
-        lib.voxserve_workspace_floats.argtypes = [ctypes.POINTER(ll), i, i, i]
+        lib.voxserve_workspace_floats.argtypes = [ctypes.POINTER(ll), i, i]
         lib.voxserve_workspace_floats.restype = ll
         lib.voxserve_forward.argtypes = [p, i, ctypes.POINTER(ll), ctypes.POINTER(ll), i, i, f, f, f, f, f, f, i, i, p]
         lib.voxserve_forward.restype = i
@@ -233,7 +232,7 @@ def forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, variant: 
         return reference(x.to(torch.float32), weight, bias)
     sizes = (ctypes.c_longlong * 5)(n, cin, d, h, w)
     strides = (ctypes.c_longlong * 5)(*x.stride())
-    floats = lib.voxserve_workspace_floats(sizes, cout, k, variant)
+    floats = lib.voxserve_workspace_floats(sizes, cout, k)
     if floats < 0:
         raise ValueError(f"shape {tuple(x.shape)} is invalid for kernel size {k}")
     weight = weight.contiguous()

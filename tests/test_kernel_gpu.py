@@ -80,7 +80,8 @@ def test_sixty_random_shapes_match_float64(rng):
 
 @pytest.mark.parametrize("variant", [0, *cuda_kernels.VARIANTS])
 @pytest.mark.parametrize("shape", [(128, 3, 16, 32, 32), (1, 3, 16, 32, 32), (8, 3, 16, 32, 32), (2, 3, 32, 64, 64),
-                                   (3, 3, 3, 3, 3), (2, 3, 5, 40, 70), (1, 3, 9, 67, 5)])
+                                   (3, 3, 3, 3, 3), (2, 3, 5, 40, 72), (1, 3, 9, 67, 5), (1, 3, 60, 12, 8),
+                                   (5, 3, 4, 4, 4)])
 def test_reference_configuration_all_variants(rng, shape, variant):
     w, b = _weights(rng, 16, 3, 3, scale=1.0 / 27**0.5)
     x = torch.randn(shape, generator=rng).to(DEV)

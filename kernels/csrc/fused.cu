@@ -118,7 +118,7 @@ __device__ __forceinline__ void block_sum_to(float (&psum)[C], int valid_c, floa
 }
 
 // ---------------------------------------------------------------------------
-// Specialised kernel
+// Specialised kernels: compile-time (Cin, Cout, k), V voxels x Cout accumulators per thread
 
 template <int CIN, int COUT, int K>
 struct ConvWeights {
@@ -128,120 +128,53 @@ struct ConvWeights {
 
 template <int K, int V, int TX>
 struct TileGeometry {
-  static constexpr int kTileW = TX * V;                  // output columns per block
+  static constexpr int kTileW = TX * V;                     // output columns per block
   static constexpr int kRowLoad = (V + K - 1 + 3) / 4 * 4;  // floats a thread reads per row (whole float4s)
   // Floats per staged row: 16-byte aligned and wide enough for the last thread's float4 reads.
   static constexpr int kPitch = (kTileW - V + kRowLoad + 3) / 4 * 4;
 };
 
-// Stage x[n, :, od : od+K, h0 : h0+IH, w0 : w0+kPitch] as float32 in smem, zero outside the input.
-template <typename T, int CIN, int K, int PITCH, bool VEC4>
-__device__ __forceinline__ void stage_tile(const T* __restrict__ x, const Shape& s, int n, int od, int h0, int w0,
-                                           int in_h, float* __restrict__ smem) {
-  const int tid = threadIdx.y * blockDim.x + threadIdx.x;
-  const int nthreads = blockDim.x * blockDim.y;
-  const T* base = x + n * s.sn + od * s.sd;
-  if constexpr (VEC4) {
-    // Contiguous float32 rows, W % 4 == 0, 16-byte aligned: one cp.async of 16 bytes per 4 columns,
-    // zero-filled past the edges without a branch around the copy.
-    constexpr int Q = PITCH / 4;
-    const int per_plane = in_h * Q;
-#pragma unroll
-    for (int plane = 0; plane < CIN * K; ++plane) {
-      const int ci = plane / K, kd = plane % K;
-      const float* src_plane = reinterpret_cast<const float*>(base) + ci * s.sc + kd * s.sd;
-      float* dst_plane = smem + plane * in_h * PITCH;
-      for (int i = tid; i < per_plane; i += nthreads) {
-        const int r = i / Q, q = i - r * Q;
-        const int gh = h0 + r, gw = w0 + 4 * q;
-        const bool inside = gh < s.h && gw < s.w;
-        const float* src = inside ? src_plane + (long long)gh * s.sh + gw : src_plane;
-        const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(dst_plane + r * PITCH + 4 * q));
-        asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(inside ? 16 : 0));
-      }
-    }
-    asm volatile("cp.async.wait_all;\n" ::);
-  } else {
-    const int per_plane = in_h * PITCH;
-#pragma unroll
-    for (int plane = 0; plane < CIN * K; ++plane) {
-      const int ci = plane / K, kd = plane % K;
-      const T* src_plane = base + ci * s.sc + kd * s.sd;
-      float* dst_plane = smem + plane * in_h * PITCH;
-      for (int i = tid; i < per_plane; i += nthreads) {
-        const int r = i / PITCH, c = i - r * PITCH;
-        const int gh = h0 + r, gw = w0 + c;
-        dst_plane[i] = (gh < s.h && gw < s.w) ? to_f32(src_plane[(long long)gh * s.sh + (long long)gw * s.sw]) : 0.0f;
-      }
-    }
+// The weights as [tap][co] in shared memory (tap = ((ci*K + kd)*K + kh)*K + kw), so one float4 load
+// brings 4 output channels' weights, each then used V times. (Read straight from the constant bank,
+// every weight costs a uniform load of its own: measured slower, see kernels/NOTES.md.)
+template <int CIN, int COUT, int K>
+__device__ __forceinline__ void stage_weights(const ConvWeights<CIN, COUT, K>& p, float* __restrict__ s_w) {
+  constexpr int kTaps = CIN * K * K * K;
+  static_assert(COUT % 4 == 0, "float4 weight reads need Cout % 4 == 0");
+  for (int i = threadIdx.y * blockDim.x + threadIdx.x; i < kTaps * COUT; i += blockDim.x * blockDim.y) {
+    const int tap = i / COUT, co = i - tap * COUT;
+    s_w[i] = p.w[co * kTaps + tap];
   }
 }
 
-// V = 4 fits two 256-thread blocks per SM (<= 128 registers); V = 8 needs more registers, one block.
-// WMODE 0: each weight is a uniform constant load (the kernel parameter), the loops fully unrolled.
-// WMODE 1: the weights are read as float4s from a transposed copy in shared memory (4 weights per load,
-//          each used V times), fully unrolled.
-// WMODE 2: as 1, but the Cin x k input planes are a run-time loop: a ninth of the code, so the unrolled
-//          body stays in the instruction cache.
-template <typename T, int CIN, int COUT, int K, int V, int TX, bool VEC4, int WMODE>
-__global__ void __launch_bounds__(kMaxThreads, V <= 4 ? 2 : 1)
-    fused_tile_kernel(const T* __restrict__ x, const Shape s, const __grid_constant__ ConvWeights<CIN, COUT, K> p,
-                      float* __restrict__ partials, int tiles_w, int tiles_hw) {
-  using G = TileGeometry<K, V, TX>;
-  extern __shared__ __align__(16) float smem[];
-  const int ty_count = blockDim.y;
-  const int in_h = ty_count + K - 1;
-  const int tile = blockIdx.x, od = blockIdx.y, n = blockIdx.z;
-  const int h0 = (tile / tiles_w) * ty_count, w0 = (tile % tiles_w) * G::kTileW;
-
-  constexpr int kTaps = CIN * K * K * K;
-  constexpr bool kSmemWeights = WMODE != 0;
-  __shared__ __align__(16) float s_w[kSmemWeights ? kTaps * COUT : 4];  // [tap][co]
-  if constexpr (kSmemWeights) {
-    static_assert(COUT % 4 == 0, "float4 weight reads need Cout % 4 == 0");
-    for (int i = threadIdx.y * blockDim.x + threadIdx.x; i < kTaps * COUT; i += blockDim.x * blockDim.y) {
-      const int tap = i / COUT, co = i - tap * COUT;
-      s_w[i] = p.w[co * kTaps + tap];
-    }
-  }
-  stage_tile<T, CIN, K, G::kPitch, VEC4>(x, s, n, od, h0, w0, in_h, smem);
-  __syncthreads();
-
-  const int tx = threadIdx.x, ty = threadIdx.y;
-  float acc[V][COUT];
-#pragma unroll
-  for (int v = 0; v < V; ++v)
-#pragma unroll
-    for (int co = 0; co < COUT; ++co) acc[v][co] = p.b[co];
-
-  constexpr int kPlaneUnroll = WMODE == 2 ? 1 : CIN * K;
-#pragma unroll kPlaneUnroll
+// acc[v][co] += sum over (ci, kd, kh, kw) of in(ci, kd, row + kh, col + v + kw) * w[tap][co], where
+// plane_row(ci, kd, r) points at staged row r of input plane (ci, kd). The Cin x k plane loop is rolled
+// at run time: the unrolled body (k rows x k taps x Cout x V FMAs) then fits the instruction cache;
+// unrolling everything made the kernel 20% slower.
+template <int CIN, int COUT, int K, int V, int ROWLOAD, typename PlaneRow>
+__device__ __forceinline__ void conv_accumulate(float (&acc)[V][COUT], const float* __restrict__ s_w, int ty,
+                                                int col, PlaneRow plane_row) {
+  static_assert(V % 4 == 0, "V must be a multiple of 4");
+#pragma unroll 1
   for (int plane = 0; plane < CIN * K; ++plane) {  // plane = ci * K + kd
+    const int ci = plane / K, kd = plane - ci * K;
 #pragma unroll
     for (int kh = 0; kh < K; ++kh) {
-      const float* row = smem + (plane * in_h + ty + kh) * G::kPitch + tx * V;
-      // Whole float4 reads (V % 4 == 0 keeps them 16-byte aligned): a quarter-warp reads one
-      // contiguous 128-byte row segment, free of bank conflicts.
-      static_assert(V % 4 == 0, "V must be a multiple of 4");
-      float in[G::kRowLoad];
+      // Whole float4 reads, 16-byte aligned: a quarter-warp reads one contiguous 128-byte segment.
+      const float* row = plane_row(ci, kd, ty + kh) + col;
+      float in[ROWLOAD];
 #pragma unroll
-      for (int j = 0; j < G::kRowLoad; j += 4) {
+      for (int j = 0; j < ROWLOAD; j += 4) {
         const float4 q = *reinterpret_cast<const float4*>(row + j);
         in[j] = q.x; in[j + 1] = q.y; in[j + 2] = q.z; in[j + 3] = q.w;
       }
 #pragma unroll
       for (int kw = 0; kw < K; ++kw) {
-        const int tap = (plane * K + kh) * K + kw;
+        const float* wt = s_w + ((plane * K + kh) * K + kw) * COUT;
 #pragma unroll
         for (int co4 = 0; co4 < COUT; co4 += 4) {
-          float wv[4];
-          if constexpr (kSmemWeights) {
-            const float4 q = *reinterpret_cast<const float4*>(s_w + tap * COUT + co4);
-            wv[0] = q.x; wv[1] = q.y; wv[2] = q.z; wv[3] = q.w;
-          } else {
-#pragma unroll
-            for (int j = 0; j < 4; ++j) wv[j] = p.w[(co4 + j) * kTaps + tap];
-          }
+          const float4 q = *reinterpret_cast<const float4*>(wt + co4);
+          const float wv[4] = {q.x, q.y, q.z, q.w};
 #pragma unroll
           for (int j = 0; j < 4; ++j)
 #pragma unroll
@@ -250,18 +183,140 @@ __global__ void __launch_bounds__(kMaxThreads, V <= 4 ? 2 : 1)
       }
     }
   }
+}
+
+// Activation + softmax of the V voxels (ow = w_first + v, row oh), added to psum; voxels outside
+// the output add nothing.
+template <int COUT, int V>
+__device__ __forceinline__ void epilogue(float (&acc)[V][COUT], const Shape& s, int oh, int w_first,
+                                         float (&psum)[COUT]) {
+#pragma unroll
+  for (int v = 0; v < V; ++v) {
+    const float scale = (oh < s.oh && w_first + v < s.ow) ? 1.0f : 0.0f;
+    softmax_accumulate<COUT>(acc[v], COUT, scale, psum);
+  }
+}
+
+// Tile kernel: any input dtype and strides. A block owns TY x (TX*V) voxels of one output plane and
+// stages the k input planes of every channel (converted to float32) in shared memory.
+template <typename T, int CIN, int COUT, int K, int V, int TX>
+__global__ void __launch_bounds__(kMaxThreads, 2)
+    fused_tile_kernel(const T* __restrict__ x, const Shape s, const __grid_constant__ ConvWeights<CIN, COUT, K> p,
+                      float* __restrict__ partials, int tiles_w, int tiles_hw) {
+  using G = TileGeometry<K, V, TX>;
+  extern __shared__ __align__(16) float smem[];
+  __shared__ __align__(16) float s_w[CIN * K * K * K * COUT];
+  const int ty_count = blockDim.y;
+  const int in_h = ty_count + K - 1;
+  const int tile = blockIdx.x, od = blockIdx.y, n = blockIdx.z;
+  const int h0 = (tile / tiles_w) * ty_count, w0 = (tile % tiles_w) * G::kTileW;
+  const int tid = threadIdx.y * blockDim.x + threadIdx.x, nthreads = blockDim.x * blockDim.y;
+
+  stage_weights<CIN, COUT, K>(p, s_w);
+  // smem[(ci*K + kd) plane][r][c] = x[n, ci, od + kd, h0 + r, w0 + c], zero outside the input.
+  const T* base = x + n * s.sn + od * s.sd;
+  const int per_plane = in_h * G::kPitch;
+  for (int plane = 0; plane < CIN * K; ++plane) {
+    const int ci = plane / K, kd = plane - ci * K;
+    const T* src = base + ci * s.sc + kd * s.sd;
+    float* dst = smem + plane * per_plane;
+    for (int i = tid; i < per_plane; i += nthreads) {
+      const int r = i / G::kPitch, c = i - r * G::kPitch;
+      const int gh = h0 + r, gw = w0 + c;
+      dst[i] = (gh < s.h && gw < s.w) ? to_f32(src[(long long)gh * s.sh + (long long)gw * s.sw]) : 0.0f;
+    }
+  }
+  __syncthreads();
+
+  float acc[V][COUT];
+#pragma unroll
+  for (int v = 0; v < V; ++v)
+#pragma unroll
+    for (int co = 0; co < COUT; ++co) acc[v][co] = p.b[co];
+  conv_accumulate<CIN, COUT, K, V, G::kRowLoad>(
+      acc, s_w, threadIdx.y, threadIdx.x * V,
+      [&](int ci, int kd, int r) { return smem + ((ci * K + kd) * in_h + r) * G::kPitch; });
 
   float psum[COUT];
 #pragma unroll
   for (int co = 0; co < COUT; ++co) psum[co] = 0.0f;
-  const int oh = h0 + ty;
-#pragma unroll
-  for (int v = 0; v < V; ++v) {
-    const int ow = w0 + tx * V + v;
-    const float scale = (oh < s.oh && ow < s.ow) ? 1.0f : 0.0f;
-    softmax_accumulate<COUT>(acc[v], COUT, scale, psum);
-  }
+  epilogue<COUT, V>(acc, s, h0 + threadIdx.y, w0 + threadIdx.x * V, psum);
   const long long slot = (long long)n * tiles_hw * s.od + (long long)od * tiles_hw + tile;
+  block_sum_to<COUT>(psum, COUT, partials + slot * COUT);
+}
+
+// Copy input plane d (all Cin channels, rows h0.., columns w0..) into ring slot `slot` with 16-byte
+// cp.async (zero-filled outside the input), as one commit group. Float32, W-contiguous, 16-byte aligned.
+template <int CIN, int PITCH>
+__device__ __forceinline__ void prefetch_plane(const float* __restrict__ xn, const Shape& s, int d, int h0, int w0,
+                                               int in_h, float* __restrict__ ring, int slot) {
+  constexpr int Q = PITCH / 4;
+  const int tid = threadIdx.y * blockDim.x + threadIdx.x, nthreads = blockDim.x * blockDim.y;
+  const int per_channel = in_h * Q;
+  for (int i = tid; i < CIN * per_channel; i += nthreads) {
+    const int ci = i / per_channel, rest = i - ci * per_channel;
+    const int r = rest / Q, q = rest - r * Q;
+    const int gh = h0 + r, gw = w0 + 4 * q;
+    const bool inside = d < s.d && gh < s.h && gw < s.w;
+    const float* src = inside ? xn + ci * s.sc + (long long)d * s.sd + (long long)gh * s.sh + gw : xn;
+    float* dst = ring + ((slot * CIN + ci) * in_h + r) * PITCH + 4 * q;
+    const unsigned dst_s = static_cast<unsigned>(__cvta_generic_to_shared(dst));
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst_s), "l"(src), "r"(inside ? 16 : 0));
+  }
+  asm volatile("cp.async.commit_group;\n" ::);
+}
+
+// Window kernel: contiguous float32 input. A block owns a TY x (TX*V) tile of `planes` consecutive
+// output planes and slides along D: a ring of K+1 staged input planes, the next plane's copy in flight
+// (cp.async) while the current plane is computed. Each input plane is staged once per tile instead of
+// K times, the copies overlap the FMAs, and the block reduction runs once per block, not per plane.
+template <int CIN, int COUT, int K, int V, int TX>
+__global__ void __launch_bounds__(kMaxThreads, 2)
+    fused_window_kernel(const float* __restrict__ x, const Shape s, const __grid_constant__ ConvWeights<CIN, COUT, K> p,
+                        float* __restrict__ partials, int tiles_w, int tiles_hw, int planes, int chunks) {
+  using G = TileGeometry<K, V, TX>;
+  constexpr int kSlots = K + 1;
+  extern __shared__ __align__(16) float ring[];  // [kSlots][CIN][in_h][kPitch]
+  __shared__ __align__(16) float s_w[CIN * K * K * K * COUT];
+  const int ty_count = blockDim.y;
+  const int in_h = ty_count + K - 1;
+  const int tile = blockIdx.x, chunk = blockIdx.y, n = blockIdx.z;
+  const int h0 = (tile / tiles_w) * ty_count, w0 = (tile % tiles_w) * G::kTileW;
+  const int d_begin = chunk * planes, d_end = min(d_begin + planes, s.od);
+  const float* xn = x + n * s.sn;
+
+  // Group 0: input planes d_begin .. d_begin+K-1; group 1: plane d_begin+K.
+  for (int kd = 0; kd < K; ++kd) {
+    const int d = d_begin + kd;
+    prefetch_plane<CIN, G::kPitch>(xn, s, d, h0, w0, in_h, ring, d % kSlots);
+  }
+  prefetch_plane<CIN, G::kPitch>(xn, s, d_begin + K, h0, w0, in_h, ring, (d_begin + K) % kSlots);
+  stage_weights<CIN, COUT, K>(p, s_w);
+
+  float psum[COUT];
+#pragma unroll
+  for (int co = 0; co < COUT; ++co) psum[co] = 0.0f;
+  for (int od = d_begin; od < d_end; ++od) {
+    asm volatile("cp.async.wait_group 1;\n" ::);  // all but the newest group: planes od .. od+K-1
+    __syncthreads();
+    float acc[V][COUT];
+#pragma unroll
+    for (int v = 0; v < V; ++v)
+#pragma unroll
+      for (int co = 0; co < COUT; ++co) acc[v][co] = p.b[co];
+    conv_accumulate<CIN, COUT, K, V, G::kRowLoad>(
+        acc, s_w, threadIdx.y, threadIdx.x * V,
+        [&](int ci, int kd, int r) { return ring + ((((od + kd) % kSlots) * CIN + ci) * in_h + r) * G::kPitch; });
+    __syncthreads();  // every thread is done with slot od % kSlots: refill it with plane od+K+1
+    if (od + 1 < d_end) {
+      prefetch_plane<CIN, G::kPitch>(xn, s, od + K + 1, h0, w0, in_h, ring, (od + K + 1) % kSlots);
+    } else {
+      asm volatile("cp.async.commit_group;\n" ::);  // keep one group per iteration
+    }
+    epilogue<COUT, V>(acc, s, h0 + threadIdx.y, w0 + threadIdx.x * V, psum);
+  }
+  asm volatile("cp.async.wait_all;\n" ::);
+  const long long slot = ((long long)n * tiles_hw + tile) * chunks + chunk;
   block_sum_to<COUT>(psum, COUT, partials + slot * COUT);
 }
 
@@ -343,71 +398,103 @@ int check_launch(const char* what) {
   return 0;
 }
 
-// The reference configuration; its tiling is TX threads x V voxels across W, TY rows.
-constexpr int kRefCin = 3, kRefCout = 16, kRefK = 3;
+// The reference configuration and its tiling: TX threads x V voxels = 32 columns, TY rows per block.
+constexpr int kRefCin = 3, kRefCout = 16, kRefK = 3, kRefV = 4, kRefTX = 8;
+using RefGeometry = TileGeometry<kRefK, kRefV, kRefTX>;
+
+enum Kernel : int { kGeneral = 0, kTile = 1, kWindow = 2 };
 
 struct Plan {
-  bool specialised;
-  int v, tx;                 // specialised: voxels per thread along W, threads along W
-  int wmode;                 // specialised: weight source and unrolling (fused_tile_kernel's WMODE)
-  int tiles_w, tiles_h, ty;  // specialised
-  int blocks;                // per sample: tiles_w * tiles_h * od, or general blocks
+  Kernel kernel;
+  int tiles_w, tiles_h, ty;  // specialised kernels
+  int planes, chunks;        // window kernel: output planes per block, blocks along D
+  int blocks;                // per sample
   long long partial_floats;
 };
 
-// variant: 0 picks the default tiling; otherwise digits select it for benchmarks:
-// ones: V (4 or 8); hundreds: WMODE (0, 1, 2); thousands: 1 = blocks of at most 128 threads.
-constexpr int kDefaultVariant = 4;
-Plan make_plan(const Shape& s, int variant) {
+int resident_blocks() {  // 2 blocks of the specialised kernels per SM
+  int device = 0, sms = 132;
+  cudaGetDevice(&device);
+  cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+  return 2 * sms;
+}
+
+// variant: 0 chooses (window kernel for contiguous float32, else tile); 1 forces tile, 2 window.
+Plan make_plan(const Shape& s, int variant, bool window_ok) {
   Plan p{};
-  if (variant == 0) variant = kDefaultVariant;
-  p.specialised = s.cin == kRefCin && s.cout == kRefCout && s.k == kRefK;
-  if (p.specialised) {
-    p.v = variant % 100 == 8 ? 8 : 4;
-    p.wmode = (variant / 100) % 10 <= 2 ? (variant / 100) % 10 : 0;
-    const int max_threads = (variant / 1000) % 10 == 1 ? 128 : kMaxThreads;
-    p.tx = 32 / p.v;  // a tile is 32 output columns wide
-    p.tiles_w = (s.ow + 31) / 32;
-    // Balanced rows per tile, rounded up so that blocks are whole warps (the block reduction
-    // shuffles across full warps).
-    const int max_ty = max_threads / p.tx, warp_rows = 32 / p.tx;
-    p.tiles_h = (s.oh + max_ty - 1) / max_ty;
-    p.ty = ((s.oh + p.tiles_h - 1) / p.tiles_h + warp_rows - 1) / warp_rows * warp_rows;
-    p.blocks = p.tiles_w * p.tiles_h * s.od;
-  } else {
+  if (!(s.cin == kRefCin && s.cout == kRefCout && s.k == kRefK)) {
+    p.kernel = kGeneral;
     const long long voxels = (long long)s.od * s.oh * s.ow;
     p.blocks = static_cast<int>((voxels + kMaxThreads - 1) / kMaxThreads);
+  } else {
+    p.kernel = (variant == 1 || !window_ok) ? kTile : kWindow;
+    p.tiles_w = (s.ow + RefGeometry::kTileW - 1) / RefGeometry::kTileW;
+    // Balanced rows per tile, rounded up to whole warps (the block reduction shuffles full warps).
+    const int max_ty = kMaxThreads / kRefTX, warp_rows = 32 / kRefTX;
+    p.tiles_h = (s.oh + max_ty - 1) / max_ty;
+    p.ty = ((s.oh + p.tiles_h - 1) / p.tiles_h + warp_rows - 1) / warp_rows * warp_rows;
+    const int tiles_hw = p.tiles_w * p.tiles_h;
+    if (p.kernel == kWindow) {
+      // Enough planes per block to amortise the window, few enough that the grid fills the GPU.
+      const long long units = (long long)s.n * tiles_hw * s.od;
+      const long long want = units / resident_blocks();
+      p.planes = static_cast<int>(want < 1 ? 1 : (want > s.od ? s.od : want));
+      p.chunks = (s.od + p.planes - 1) / p.planes;
+      p.planes = (s.od + p.chunks - 1) / p.chunks;  // even out the chunks
+      p.blocks = tiles_hw * p.chunks;
+    } else {
+      p.blocks = tiles_hw * s.od;
+    }
   }
   p.partial_floats = (long long)s.n * p.blocks * s.cout;
   return p;
 }
 
-template <typename T, int V, bool VEC4, int WMODE>
-int launch_tile(const void* x, const Shape& s, const Plan& plan, const float* w_host, const float* b_host,
-                float* partials, cudaStream_t stream) {
-  constexpr int TX = 32 / V;
-  using G = TileGeometry<kRefK, V, TX>;
-  ConvWeights<kRefCin, kRefCout, kRefK> params;
-  memcpy(params.w, w_host, sizeof params.w);
-  memcpy(params.b, b_host, sizeof params.b);
-  auto kernel = fused_tile_kernel<T, kRefCin, kRefCout, kRefK, V, TX, VEC4, WMODE>;
-  const size_t smem = sizeof(float) * kRefCin * kRefK * (plan.ty + kRefK - 1) * G::kPitch;
-  // Static (weights) plus dynamic (tile) shared memory may pass the 48 KiB default: raise the limit once
-  // per instantiation to what this launch needs (a benign race if two threads do it at once).
-  // The attribute is per device.
+// Raise a kernel's dynamic shared-memory limit (per device) when a launch needs more than 48 KiB in all.
+template <typename KernelFn>
+int allow_smem(KernelFn kernel, size_t dynamic_bytes) {
   static size_t configured[kMaxDevices] = {};
   int device = 0;
   cudaGetDevice(&device);
   if (device < 0 || device >= kMaxDevices) return fail("device index out of range%s", "");
-  if (smem > configured[device]) {
-    const cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
+  if (dynamic_bytes > configured[device]) {
+    const cudaError_t err =
+        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)dynamic_bytes);
     if (err != cudaSuccess) return fail("raising the shared-memory limit failed: %s", cudaGetErrorString(err));
-    configured[device] = smem;
+    configured[device] = dynamic_bytes;
   }
-  const dim3 grid(plan.tiles_w * plan.tiles_h, s.od, s.n), block(TX, plan.ty);
-  kernel<<<grid, block, smem, stream>>>(static_cast<const T*>(x), s, params, partials, plan.tiles_w,
-                                        plan.tiles_w * plan.tiles_h);
+  return 0;
+}
+
+ConvWeights<kRefCin, kRefCout, kRefK> ref_weights(const float* w_host, const float* b_host) {
+  ConvWeights<kRefCin, kRefCout, kRefK> params;
+  memcpy(params.w, w_host, sizeof params.w);
+  memcpy(params.b, b_host, sizeof params.b);
+  return params;
+}
+
+template <typename T>
+int launch_tile(const void* x, const Shape& s, const Plan& plan, const float* w_host, const float* b_host,
+                float* partials, cudaStream_t stream) {
+  auto kernel = fused_tile_kernel<T, kRefCin, kRefCout, kRefK, kRefV, kRefTX>;
+  const size_t smem = sizeof(float) * kRefCin * kRefK * (plan.ty + kRefK - 1) * RefGeometry::kPitch;
+  if (allow_smem(kernel, smem) != 0) return 1;
+  const dim3 grid(plan.tiles_w * plan.tiles_h, s.od, s.n), block(kRefTX, plan.ty);
+  kernel<<<grid, block, smem, stream>>>(static_cast<const T*>(x), s, ref_weights(w_host, b_host), partials,
+                                        plan.tiles_w, plan.tiles_w * plan.tiles_h);
   return check_launch("fused_tile_kernel");
+}
+
+int launch_window(const void* x, const Shape& s, const Plan& plan, const float* w_host, const float* b_host,
+                  float* partials, cudaStream_t stream) {
+  auto kernel = fused_window_kernel<kRefCin, kRefCout, kRefK, kRefV, kRefTX>;
+  const size_t smem =
+      sizeof(float) * (kRefK + 1) * kRefCin * (plan.ty + kRefK - 1) * RefGeometry::kPitch;
+  if (allow_smem(kernel, smem) != 0) return 1;
+  const dim3 grid(plan.tiles_w * plan.tiles_h, plan.chunks, s.n), block(kRefTX, plan.ty);
+  kernel<<<grid, block, smem, stream>>>(static_cast<const float*>(x), s, ref_weights(w_host, b_host), partials,
+                                        plan.tiles_w, plan.tiles_w * plan.tiles_h, plan.planes, plan.chunks);
+  return check_launch("fused_window_kernel");
 }
 
 template <typename T>
@@ -427,31 +514,14 @@ int launch_general(const void* x, const Shape& s, const Plan& plan, const float*
   return check_launch("fused_general_kernel");
 }
 
-template <typename T, bool VEC4>
-int dispatch_tile(const void* x, const Shape& s, const Plan& plan, const float* w_host, const float* b_host,
-                  float* partials, cudaStream_t stream) {
-  if (plan.v == 8) {
-    switch (plan.wmode) {
-      case 1: return launch_tile<T, 8, VEC4, 1>(x, s, plan, w_host, b_host, partials, stream);
-      case 2: return launch_tile<T, 8, VEC4, 2>(x, s, plan, w_host, b_host, partials, stream);
-      default: return launch_tile<T, 8, VEC4, 0>(x, s, plan, w_host, b_host, partials, stream);
-    }
-  }
-  switch (plan.wmode) {
-    case 1: return launch_tile<T, 4, VEC4, 1>(x, s, plan, w_host, b_host, partials, stream);
-    case 2: return launch_tile<T, 4, VEC4, 2>(x, s, plan, w_host, b_host, partials, stream);
-    default: return launch_tile<T, 4, VEC4, 0>(x, s, plan, w_host, b_host, partials, stream);
-  }
-}
-
 template <typename T>
-int dispatch(const void* x, const Shape& s, const Plan& plan, bool vec4, const float* w_dev, const float* b_dev,
+int dispatch(const void* x, const Shape& s, const Plan& plan, const float* w_dev, const float* b_dev,
              const float* w_host, const float* b_host, float* partials, cudaStream_t stream) {
-  if (!plan.specialised) return launch_general<T>(x, s, plan, w_dev, b_dev, partials, stream);
-  if constexpr (std::is_same<T, float>::value) {
-    if (vec4) return dispatch_tile<float, true>(x, s, plan, w_host, b_host, partials, stream);
+  switch (plan.kernel) {
+    case kGeneral: return launch_general<T>(x, s, plan, w_dev, b_dev, partials, stream);
+    case kWindow: return launch_window(x, s, plan, w_host, b_host, partials, stream);
+    default: return launch_tile<T>(x, s, plan, w_host, b_host, partials, stream);
   }
-  return dispatch_tile<T, false>(x, s, plan, w_host, b_host, partials, stream);
 }
 
 bool fill_shape(const long long* sizes, const long long* strides, int cout, int k, Shape* s) {
@@ -475,18 +545,20 @@ const char* voxserve_last_error() { return g_error; }
 // 1 when (Cin, Cout, k) runs the specialised kernel (it then needs host copies of the weights).
 int voxserve_is_specialised(int cin, int cout, int k) { return cin == kRefCin && cout == kRefCout && k == kRefK; }
 
-// Floats of scratch space voxserve_forward needs for this shape, or -1 for an invalid shape.
-long long voxserve_workspace_floats(const long long* sizes, int cout, int k, int variant) {
+// Floats of scratch space voxserve_forward needs for this shape, or -1 for an invalid shape. (The tile
+// kernel's plan is the largest, whatever the input's layout.)
+long long voxserve_workspace_floats(const long long* sizes, int cout, int k) {
   const long long strides[5] = {0, 0, 0, 0, 0};
   Shape s;
   if (!fill_shape(sizes, strides, cout, k, &s)) return -1;
-  return make_plan(s, variant).partial_floats;
+  return make_plan(s, 1, false).partial_floats;
 }
 
 // out (N, Cout) float32 = the model on x, enqueued on `stream`. Returns 0, or 1 with voxserve_last_error().
 // w_dev/b_dev: device float32 weights (Cout, Cin, k, k, k) and bias; w_host/b_host: the same values on the host,
 // required when voxserve_is_specialised(). workspace: voxserve_workspace_floats() floats on the device.
-// variant: 0 for the default tiling (see make_plan). device: the CUDA device that x, out and stream belong to
+// variant: 0 lets make_plan choose the kernel; 1 forces the tile kernel, 2 the window kernel where the
+// input allows it (benchmarks compare them). device: the CUDA device that x, out and stream belong to
 // (this library has its own CUDA runtime, so the caller's current device is not known here).
 int voxserve_forward(const void* x, int dtype, const long long* sizes, const long long* strides, int cout, int k,
                      const float* w_dev, const float* b_dev, const float* w_host, const float* b_host, float* out,
@@ -499,20 +571,19 @@ int voxserve_forward(const void* x, int dtype, const long long* sizes, const lon
   if (cout > kGeneralMaxCout && !voxserve_is_specialised(s.cin, cout, k)) {
     return fail("Cout above 64 is not supported by the fused kernel%s", "");
   }
-  const Plan plan = make_plan(s, variant);
-  if (plan.specialised && (w_host == nullptr || b_host == nullptr)) {
-    return fail("the specialised kernel needs host copies of the weights%s", "");
+  // The window kernel copies 16-byte pieces of W-contiguous float32 rows.
+  const bool window_ok = dtype == kF32 && s.sw == 1 && s.w % 4 == 0 && s.sh % 4 == 0 && s.sd % 4 == 0 &&
+                         s.sc % 4 == 0 && s.sn % 4 == 0 && (reinterpret_cast<uintptr_t>(x) % 16) == 0;
+  const Plan plan = make_plan(s, variant, window_ok);
+  if (plan.kernel != kGeneral && (w_host == nullptr || b_host == nullptr)) {
+    return fail("the specialised kernels need host copies of the weights%s", "");
   }
   cudaStream_t stream = static_cast<cudaStream_t>(stream_handle);
-  const bool vec4 = dtype == kF32 && s.sw == 1 && s.w % 4 == 0 && s.sh % 4 == 0 && s.sd % 4 == 0 && s.sc % 4 == 0 &&
-                    s.sn % 4 == 0 && (reinterpret_cast<uintptr_t>(x) % 16) == 0;
   int rc;
   switch (dtype) {
-    case kF32: rc = dispatch<float>(x, s, plan, vec4, w_dev, b_dev, w_host, b_host, workspace, stream); break;
-    case kF16: rc = dispatch<__half>(x, s, plan, false, w_dev, b_dev, w_host, b_host, workspace, stream); break;
-    case kBF16:
-      rc = dispatch<__nv_bfloat16>(x, s, plan, false, w_dev, b_dev, w_host, b_host, workspace, stream);
-      break;
+    case kF32: rc = dispatch<float>(x, s, plan, w_dev, b_dev, w_host, b_host, workspace, stream); break;
+    case kF16: rc = dispatch<__half>(x, s, plan, w_dev, b_dev, w_host, b_host, workspace, stream); break;
+    case kBF16: rc = dispatch<__nv_bfloat16>(x, s, plan, w_dev, b_dev, w_host, b_host, workspace, stream); break;
     default: return fail("unsupported input dtype code%s", "");
   }
   if (rc != 0) return rc;
