@@ -21,6 +21,7 @@ import sys
 from pathlib import Path
 
 import torch
+
 from voxserve.kernels import cuda as cuda_kernels
 from voxserve.kernels import fused_forward, reference, reference_float64, reference_weights
 from voxserve.kernels.graphs import GraphCache

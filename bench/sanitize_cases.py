@@ -4,6 +4,7 @@
 """
 
 import torch
+
 from voxserve.kernels import cuda as cuda_kernels
 from voxserve.kernels import reference_float64
 

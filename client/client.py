@@ -13,9 +13,9 @@ from typing import Any
 
 import grpc
 import numpy as np
-from voxserve.proto import pb, pb_grpc
 
 from voxserve.datatypes import INPUT_DATATYPES, from_wire, to_wire
+from voxserve.proto import pb, pb_grpc
 
 DEFAULT_MODEL = "voxnet"
 DEFAULT_MAX_MESSAGE_BYTES = 512 * 1024 * 1024

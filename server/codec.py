@@ -9,9 +9,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
-from voxserve.proto import pb
 
 from voxserve.datatypes import INPUT_DATATYPES, ITEMSIZE, WIRE_DTYPE
+from voxserve.proto import pb
 
 from .errors import exhausted, invalid, not_found, unimplemented
 

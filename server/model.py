@@ -12,10 +12,10 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-from voxserve.kernels import cuda as cuda_kernels
-from voxserve.kernels.graphs import GraphCache
 
 from voxserve import kernels
+from voxserve.kernels import cuda as cuda_kernels
+from voxserve.kernels.graphs import GraphCache
 
 from .weights import Weights
 

@@ -11,9 +11,9 @@ from dataclasses import dataclass, field
 import grpc
 from google.protobuf.message import DecodeError
 from google.protobuf.message_factory import GetMessageClass
-from voxserve.proto import config_pb, pb
 
 from voxserve import __version__
+from voxserve.proto import config_pb, pb
 
 from . import codec
 from .codec import ModelSpec

@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
+
 from voxserve.kernels import reference_weights
 
 WEIGHT_KEY = "conv.weight"

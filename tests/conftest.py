@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from voxserve.server.app import VoxServer
 from voxserve.server.settings import Settings
 

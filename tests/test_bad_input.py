@@ -5,6 +5,7 @@ from __future__ import annotations
 import grpc
 import numpy as np
 import pytest
+
 from voxserve.client import Client, build_request
 from voxserve.proto import pb, pb_grpc
 

@@ -8,12 +8,12 @@ import sys
 import numpy as np
 import pytest
 import torch
+
+from voxserve.cli import main
 from voxserve.kernels import reference_float64, reference_weights
 from voxserve.server import weights as weights_io
 from voxserve.server.model import relative_error
 from voxserve.server.settings import _FLAGS
-
-from voxserve.cli import main
 
 from .conftest import REPO
 

@@ -9,6 +9,7 @@ import random
 
 import pytest
 import torch
+
 from voxserve.kernels import cuda as cuda_kernels
 from voxserve.kernels import fused_forward, reference_float64
 from voxserve.kernels.graphs import GraphCache
@@ -162,6 +163,7 @@ def test_cuda_graph_cache_matches_eager_bits(rng):
 
 def test_server_serves_the_fused_kernel(rng):
     import numpy as np
+
     from voxserve.client import Client
 
     from .conftest import running_server

@@ -15,6 +15,7 @@ import grpc
 import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+
 from voxserve.client import Client, InferenceError
 
 from .conftest import REPO

@@ -6,6 +6,7 @@ import importlib.util
 
 import pytest
 import torch
+
 from voxserve.kernels import fused_forward, reference, reference_float64, reference_weights
 from voxserve.server.model import relative_error
 

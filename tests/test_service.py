@@ -9,12 +9,12 @@ import numpy as np
 import pytest
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+
 from voxserve.client import AsyncClient, Client, InferenceError, build_request
+from voxserve.datatypes import bf16_bits_to_float32, float32_to_bf16_bits
 from voxserve.kernels import reference_float64, reference_weights
 from voxserve.proto import pb, pb_grpc
 from voxserve.server.model import relative_error
-
-from voxserve.datatypes import bf16_bits_to_float32, float32_to_bf16_bits
 
 from .conftest import running_server
 

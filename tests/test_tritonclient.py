@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+
 from voxserve.kernels import reference_float64, reference_weights
 from voxserve.server.model import relative_error
 
