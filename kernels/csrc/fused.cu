@@ -321,6 +321,173 @@ __global__ void __launch_bounds__(kMaxThreads, 2)
 }
 
 // ---------------------------------------------------------------------------
+// Tensor-core kernel (reference configuration, contiguous float32): implicit GEMM on mma.sync
+// m16n8k8 TF32 with the 3xTF32 split (a*b ~ a_hi*b_hi + a_hi*b_lo + a_lo*b_hi), which keeps the conv
+// at float32 accuracy. M = 16 voxels along W, N = 16 output channels (two n8 tiles), K = 81 taps
+// padded to 88 (11 k-steps; the padding taps have zero weights). Staging and the sliding window
+// along D are the window kernel's; the epilogue's softmax runs across the 4 lanes of a quad, which
+// together hold a voxel's 16 channels.
+
+__device__ __forceinline__ uint32_t tf32_bits(float x) {
+  uint32_t r;
+  asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(x));
+  return r;
+}
+
+__device__ __forceinline__ void mma_tf32(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                         uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+// Softmax of one voxel whose 16 channels are spread over a quad (4 values per lane), added to psum.
+__device__ __forceinline__ void quad_softmax_accumulate(float (&v)[4], float scale, float (&psum)[4]) {
+  float m = 0.0f;
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    v[j] = activation(v[j]);
+    m = fmaxf(m, v[j]);
+  }
+  m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 1));
+  m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 2));
+  const float ml = m * kLog2e;
+  float sum = 0.0f;
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    v[j] = fast_exp2(fmaf(v[j], kLog2e, -ml));
+    sum += v[j];
+  }
+  sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+  sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+  const float inv = scale * __frcp_rn(sum);
+#pragma unroll
+  for (int j = 0; j < 4; ++j) psum[j] = fmaf(v[j], inv, psum[j]);
+}
+
+template <int TILE_W, int PITCH>
+__global__ void __launch_bounds__(kMaxThreads, 1)
+    fused_mma_kernel(const float* __restrict__ x, const Shape s, const __grid_constant__ ConvWeights<3, 16, 3> p,
+                     float* __restrict__ partials, int tiles_w, int tiles_hw, int planes, int chunks, int ty_count) {
+  constexpr int CIN = 3, COUT = 16, K = 3, kTaps = CIN * K * K * K, kSteps = (kTaps + 7) / 8, kSlots = K + 1;
+  constexpr int kSegs = TILE_W / 16;
+  extern __shared__ __align__(16) float ring[];  // [kSlots][CIN][in_h][PITCH]
+  const int in_h = ty_count + K - 1;
+  const int slot_floats = CIN * in_h * PITCH;
+  const int tile = blockIdx.x, chunk = blockIdx.y, n = blockIdx.z;
+  const int h0 = (tile / tiles_w) * ty_count, w0 = (tile % tiles_w) * TILE_W;
+  const int d_begin = chunk * planes, d_end = min(d_begin + planes, s.od);
+  const float* xn = x + n * s.sn;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+  const int gid = lane >> 2, tig = lane & 3;
+
+  for (int kd = 0; kd < K; ++kd) prefetch_plane<CIN, PITCH>(xn, s, d_begin + kd, h0, w0, in_h, ring, (d_begin + kd) % kSlots);
+  prefetch_plane<CIN, PITCH>(xn, s, d_begin + K, h0, w0, in_h, ring, (d_begin + K) % kSlots);
+
+  // B fragments (weights), split hi/lo: b[j] at tap 8*step + tig + 4*j, channel 8*nt + gid.
+  uint32_t bhi[kSteps][2][2], blo[kSteps][2][2];
+  // A addressing: tap 8*step + tig + 4*j -> its kd and its offset within a ring slot.
+  int tap_kd[kSteps][2], tap_off[kSteps][2];
+#pragma unroll
+  for (int st = 0; st < kSteps; ++st) {
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      const int tap = 8 * st + tig + 4 * j;
+      const bool real = tap < kTaps;
+      const int t = real ? tap : 0;  // padding taps read tap 0's input (finite where the voxel is) x 0
+      const int ci = t / 27, kd = (t / 9) % 3, kh = (t / 3) % 3, kw = t % 3;
+      tap_kd[st][j] = kd;
+      tap_off[st][j] = (ci * in_h + kh) * PITCH + kw;
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt) {
+        const float w = real ? p.w[(8 * nt + gid) * kTaps + tap] : 0.0f;
+        const uint32_t hi = tf32_bits(w);
+        bhi[st][nt][j] = hi;
+        blo[st][nt][j] = tf32_bits(w - __uint_as_float(hi));
+      }
+    }
+  }
+  float bias[2][2];
+#pragma unroll
+  for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+    for (int e = 0; e < 2; ++e) bias[nt][e] = p.b[8 * nt + 2 * tig + e];
+
+  float psum[4] = {0.0f, 0.0f, 0.0f, 0.0f};  // channels 2*tig, 2*tig+1, 8+2*tig, 9+2*tig
+  const int mtiles = ty_count * kSegs;
+  for (int od = d_begin; od < d_end; ++od) {
+    asm volatile("cp.async.wait_group 1;\n" ::);
+    __syncthreads();
+    int a_off[kSteps][2];
+#pragma unroll
+    for (int st = 0; st < kSteps; ++st)
+#pragma unroll
+      for (int j = 0; j < 2; ++j) a_off[st][j] = ((od + tap_kd[st][j]) % kSlots) * slot_floats + tap_off[st][j];
+
+    for (int t = warp; t < mtiles; t += nwarps) {
+      const int row = t / kSegs, seg = t - row * kSegs;
+      const float* base = ring + row * PITCH + seg * 16 + gid;
+      float c[2][4];
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt) {
+        c[nt][0] = c[nt][2] = bias[nt][0];
+        c[nt][1] = c[nt][3] = bias[nt][1];
+      }
+#pragma unroll
+      for (int st = 0; st < kSteps; ++st) {
+        const float v0 = base[a_off[st][0]], v1 = base[a_off[st][0] + 8];
+        const float v2 = base[a_off[st][1]], v3 = base[a_off[st][1] + 8];
+        const uint32_t h0b = tf32_bits(v0), h1b = tf32_bits(v1), h2b = tf32_bits(v2), h3b = tf32_bits(v3);
+        const uint32_t l0 = tf32_bits(v0 - __uint_as_float(h0b)), l1 = tf32_bits(v1 - __uint_as_float(h1b));
+        const uint32_t l2 = tf32_bits(v2 - __uint_as_float(h2b)), l3 = tf32_bits(v3 - __uint_as_float(h3b));
+#pragma unroll
+        for (int nt = 0; nt < 2; ++nt) {
+          mma_tf32(c[nt], l0, l1, l2, l3, bhi[st][nt][0], bhi[st][nt][1]);
+          mma_tf32(c[nt], h0b, h1b, h2b, h3b, blo[st][nt][0], blo[st][nt][1]);
+          mma_tf32(c[nt], h0b, h1b, h2b, h3b, bhi[st][nt][0], bhi[st][nt][1]);
+        }
+      }
+      const int oh = h0 + row, ow = w0 + seg * 16 + gid;
+      const bool row_ok = oh < s.oh;
+      float va[4] = {c[0][0], c[0][1], c[1][0], c[1][1]};  // voxel ow
+      float vb[4] = {c[0][2], c[0][3], c[1][2], c[1][3]};  // voxel ow + 8
+      quad_softmax_accumulate(va, (row_ok && ow < s.ow) ? 1.0f : 0.0f, psum);
+      quad_softmax_accumulate(vb, (row_ok && ow + 8 < s.ow) ? 1.0f : 0.0f, psum);
+    }
+    __syncthreads();
+    if (od + 1 < d_end) {
+      prefetch_plane<CIN, PITCH>(xn, s, od + K + 1, h0, w0, in_h, ring, (od + K + 1) % kSlots);
+    } else {
+      asm volatile("cp.async.commit_group;\n" ::);
+    }
+  }
+  asm volatile("cp.async.wait_all;\n" ::);
+
+  // Sum each channel over the 8 quads of the warp, then over warps in order.
+  __shared__ float red[kMaxWarps][COUT];
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+#pragma unroll
+    for (int off = 4; off < 32; off <<= 1) psum[j] += __shfl_xor_sync(0xffffffffu, psum[j], off);
+  }
+  if (gid == 0) {
+    red[warp][2 * tig] = psum[0];
+    red[warp][2 * tig + 1] = psum[1];
+    red[warp][8 + 2 * tig] = psum[2];
+    red[warp][9 + 2 * tig] = psum[3];
+  }
+  __syncthreads();
+  if (threadIdx.x < COUT) {
+    float sum = 0.0f;
+    for (int wi = 0; wi < nwarps; ++wi) sum += red[wi][threadIdx.x];
+    const long long slot = ((long long)n * tiles_hw + tile) * chunks + chunk;
+    partials[slot * COUT + threadIdx.x] = sum;
+  }
+}
+
+// ---------------------------------------------------------------------------
 // General kernel
 
 template <typename T, int MAXC>
@@ -402,7 +569,7 @@ int check_launch(const char* what) {
 constexpr int kRefCin = 3, kRefCout = 16, kRefK = 3, kRefV = 4, kRefTX = 8;
 using RefGeometry = TileGeometry<kRefK, kRefV, kRefTX>;
 
-enum Kernel : int { kGeneral = 0, kTile = 1, kWindow = 2 };
+enum Kernel : int { kGeneral = 0, kTile = 1, kWindow = 2, kMma = 3 };
 
 struct Plan {
   Kernel kernel;
@@ -412,14 +579,15 @@ struct Plan {
   long long partial_floats;
 };
 
-int resident_blocks() {  // 2 blocks of the specialised kernels per SM
+int resident_blocks(int per_sm) {  // blocks of a kernel resident at once on this device
   int device = 0, sms = 132;
   cudaGetDevice(&device);
   cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
-  return 2 * sms;
+  return per_sm * sms;
 }
 
-// variant: 0 chooses (window kernel for contiguous float32, else tile); 1 forces tile, 2 window.
+// variant: 0 chooses (window kernel for contiguous float32, else tile); 1 forces tile, 2 window,
+// 3 the tensor-core kernel (contiguous float32 only).
 Plan make_plan(const Shape& s, int variant, bool window_ok) {
   Plan p{};
   if (!(s.cin == kRefCin && s.cout == kRefCout && s.k == kRefK)) {
@@ -427,17 +595,18 @@ Plan make_plan(const Shape& s, int variant, bool window_ok) {
     const long long voxels = (long long)s.od * s.oh * s.ow;
     p.blocks = static_cast<int>((voxels + kMaxThreads - 1) / kMaxThreads);
   } else {
-    p.kernel = (variant == 1 || !window_ok) ? kTile : kWindow;
+    p.kernel = (variant == 1 || !window_ok) ? kTile : (variant == 3 ? kMma : kWindow);
     p.tiles_w = (s.ow + RefGeometry::kTileW - 1) / RefGeometry::kTileW;
     // Balanced rows per tile, rounded up to whole warps (the block reduction shuffles full warps).
     const int max_ty = kMaxThreads / kRefTX, warp_rows = 32 / kRefTX;
     p.tiles_h = (s.oh + max_ty - 1) / max_ty;
     p.ty = ((s.oh + p.tiles_h - 1) / p.tiles_h + warp_rows - 1) / warp_rows * warp_rows;
     const int tiles_hw = p.tiles_w * p.tiles_h;
-    if (p.kernel == kWindow) {
+    if (p.kernel == kWindow || p.kernel == kMma) {
       // Enough planes per block to amortise the window, few enough that the grid fills the GPU.
       const long long units = (long long)s.n * tiles_hw * s.od;
-      const long long want = units / resident_blocks();
+      // The window kernel fits 2 blocks per SM, the tensor-core kernel (231 registers) 1.
+      const long long want = units / resident_blocks(p.kernel == kMma ? 1 : 2);
       p.planes = static_cast<int>(want < 1 ? 1 : (want > s.od ? s.od : want));
       p.chunks = (s.od + p.planes - 1) / p.planes;
       p.planes = (s.od + p.chunks - 1) / p.chunks;  // even out the chunks
@@ -449,6 +618,9 @@ Plan make_plan(const Shape& s, int variant, bool window_ok) {
   p.partial_floats = (long long)s.n * p.blocks * s.cout;
   return p;
 }
+
+int launch_mma(const void* x, const Shape& s, const Plan& plan, const float* w_host, const float* b_host,
+               float* partials, cudaStream_t stream);
 
 // Raise a kernel's dynamic shared-memory limit (per device) when a launch needs more than 48 KiB in all.
 template <typename KernelFn>
@@ -514,12 +686,24 @@ int launch_general(const void* x, const Shape& s, const Plan& plan, const float*
   return check_launch("fused_general_kernel");
 }
 
+int launch_mma(const void* x, const Shape& s, const Plan& plan, const float* w_host, const float* b_host,
+               float* partials, cudaStream_t stream) {
+  auto kernel = fused_mma_kernel<RefGeometry::kTileW, RefGeometry::kPitch>;
+  const size_t smem = sizeof(float) * (kRefK + 1) * kRefCin * (plan.ty + kRefK - 1) * RefGeometry::kPitch;
+  if (allow_smem(kernel, smem) != 0) return 1;
+  const dim3 grid(plan.tiles_w * plan.tiles_h, plan.chunks, s.n), block(kMaxThreads);
+  kernel<<<grid, block, smem, stream>>>(static_cast<const float*>(x), s, ref_weights(w_host, b_host), partials,
+                                        plan.tiles_w, plan.tiles_w * plan.tiles_h, plan.planes, plan.chunks, plan.ty);
+  return check_launch("fused_mma_kernel");
+}
+
 template <typename T>
 int dispatch(const void* x, const Shape& s, const Plan& plan, const float* w_dev, const float* b_dev,
              const float* w_host, const float* b_host, float* partials, cudaStream_t stream) {
   switch (plan.kernel) {
     case kGeneral: return launch_general<T>(x, s, plan, w_dev, b_dev, partials, stream);
     case kWindow: return launch_window(x, s, plan, w_host, b_host, partials, stream);
+    case kMma: return launch_mma(x, s, plan, w_host, b_host, partials, stream);
     default: return launch_tile<T>(x, s, plan, w_host, b_host, partials, stream);
   }
 }
