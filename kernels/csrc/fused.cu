@@ -597,8 +597,13 @@ Plan make_plan(const Shape& s, int variant, bool window_ok) {
   } else {
     p.kernel = (variant == 1 || !window_ok) ? kTile : (variant == 3 ? kMma : kWindow);
     p.tiles_w = (s.ow + RefGeometry::kTileW - 1) / RefGeometry::kTileW;
-    // Balanced rows per tile, rounded up to whole warps (the block reduction shuffles full warps).
-    const int max_ty = kMaxThreads / kRefTX, warp_rows = 32 / kRefTX;
+    // Rows per tile: up to 32 (256 threads); fewer when the batch is too small to give every SM a
+    // block, since a small batch is latency-bound and each thread's work is fixed. Balanced across
+    // tiles and rounded up to whole warps (the block reduction shuffles full warps).
+    const int warp_rows = 32 / kRefTX;
+    const long long planes_total = (long long)s.n * p.tiles_w * s.od;
+    int max_ty = kMaxThreads / kRefTX;
+    while (max_ty > 2 * warp_rows && planes_total * ((s.oh + max_ty - 1) / max_ty) < resident_blocks(1)) max_ty /= 2;
     p.tiles_h = (s.oh + max_ty - 1) / max_ty;
     p.ty = ((s.oh + p.tiles_h - 1) / p.tiles_h + warp_rows - 1) / warp_rows * warp_rows;
     const int tiles_hw = p.tiles_w * p.tiles_h;
