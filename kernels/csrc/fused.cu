@@ -541,7 +541,15 @@ __global__ void finalize_kernel(const float* __restrict__ partials, float* __res
   for (int c = threadIdx.x; c < cout; c += blockDim.x) {
     double s = 0.0;
     const float* p = partials + (long long)n * tiles * cout + c;
-    for (int t = 0; t < tiles; ++t) s += p[(long long)t * cout];
+    int t = 0;
+    for (; t + 8 <= tiles; t += 8) {  // eight loads in flight, then the adds in order
+      float v[8];
+#pragma unroll
+      for (int j = 0; j < 8; ++j) v[j] = p[(long long)(t + j) * cout];
+#pragma unroll
+      for (int j = 0; j < 8; ++j) s += v[j];
+    }
+    for (; t < tiles; ++t) s += p[(long long)t * cout];
     out[(long long)n * cout + c] = static_cast<float>(s * inv_voxels);
   }
 }
