@@ -1,4 +1,4 @@
-"""The `voxserve` command: serve, infer, health, weights."""
+"""The `voxserve` command: serve, infer, health, weights, kernel."""
 
 from __future__ import annotations
 
@@ -71,7 +71,32 @@ def build_parser() -> argparse.ArgumentParser:
                               "weights_only=True (tensors only).")
     convert.add_argument("src", metavar="STATE_DICT.pt")
     convert.add_argument("out", metavar="OUT.safetensors")
+    kernel = sub.add_parser("kernel", help="build the fused CUDA kernel ahead of time (no GPU needed)")
+    ksub = kernel.add_subparsers(dest="kernel_command", required=True, metavar="ACTION")
+    kbuild = ksub.add_parser("build", help="compile kernels/csrc/fused.cu with nvcc into the kernel cache",
+                             description="Builds the shared library the server loads on a GPU; the cache is "
+                             "$VOXSERVE_KERNEL_CACHE or ~/.cache/voxserve/kernels. Prints the ptxas report.")
+    kbuild.add_argument("--arch", default=None,
+                        help="CUDA architectures, e.g. '9.0' or '8.0;9.0a' [default: VOXSERVE_CUDA_ARCH_LIST, "
+                        "TORCH_CUDA_ARCH_LIST, the visible GPUs, else 9.0]")
+    kbuild.add_argument("--force", action="store_true", help="rebuild even when a cached build exists")
     return parser
+
+
+def _kernel(args: argparse.Namespace) -> int:
+    from voxserve.kernels import cuda
+
+    try:
+        archs = cuda.parse_arch_list(args.arch) if args.arch else None
+        result = cuda.build(archs, force=args.force)
+    except cuda.KernelBuildError as exc:
+        print(f"voxserve kernel build: {exc}", file=sys.stderr)
+        return 1
+    report = [line for line in result.ptxas_report.splitlines() if "registers" in line or "spill" in line]
+    print("\n".join(report))
+    how = f"built in {result.seconds:.1f} s" if result.seconds else "already built (cache)"
+    print(f"{result.path} for {','.join(result.archs)}: {how}")
+    return 0
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -142,7 +167,7 @@ def _weights(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    handlers = {"serve": _serve, "infer": _infer, "health": _health, "weights": _weights}
+    handlers = {"serve": _serve, "infer": _infer, "health": _health, "weights": _weights, "kernel": _kernel}
     return handlers[args.command](args)
 
 

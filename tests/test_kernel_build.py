@@ -1,0 +1,63 @@
+"""The fused kernel compiles with nvcc alone (no GPU), for Hopper, without register spills in its hot kernels."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+
+import pytest
+
+from voxserve.cli import main
+from voxserve.kernels import cuda as cuda_kernels
+
+needs_nvcc = pytest.mark.skipif(shutil.which("nvcc") is None and not os.environ.get("CUDA_HOME"),
+                                reason="nvcc (the CUDA toolkit) is not installed")
+
+
+@needs_nvcc
+def test_kernel_builds_for_sm90_and_hot_kernels_do_not_spill(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("VOXSERVE_KERNEL_CACHE", str(tmp_path))
+    assert main(["kernel", "build", "--arch", "9.0"]) == 0
+    out = capsys.readouterr().out
+    built = list(tmp_path.glob("*/libvoxserve_fused.so"))
+    assert len(built) == 1 and built[0].stat().st_size > 0
+    report = next(tmp_path.glob("*/ptxas.txt")).read_text()
+    # Per entry: the "Compiling entry function" line, then its stack/spill line.
+    entries = re.findall(
+        r"Compiling entry function '(\S+)' for 'sm_90'\n[^\n]*\n\s*\d+ bytes stack frame, (\d+) bytes spill stores",
+        report)
+    hot = [(name, spills) for name, spills in entries if "tile_kernel" in name or "window_kernel" in name
+           or "mma_kernel" in name]
+    assert hot, report[:2000]
+    assert all(spills == "0" for _, spills in hot), hot
+    # a second build comes from the cache
+    assert main(["kernel", "build", "--arch", "9.0"]) == 0
+    assert "already built (cache)" in capsys.readouterr().out
+    assert "registers" in out
+
+
+def test_missing_nvcc_is_a_clear_error(monkeypatch, tmp_path):
+    monkeypatch.setenv("PATH", str(tmp_path))
+    monkeypatch.delenv("CUDA_HOME", raising=False)
+    monkeypatch.delenv("CUDA_PATH", raising=False)
+    monkeypatch.setattr(cuda_kernels.Path, "is_file", lambda self: False)
+    with pytest.raises(cuda_kernels.KernelBuildError, match="nvcc was not found"):
+        cuda_kernels.find_nvcc()
+
+
+def test_arch_list_parsing():
+    assert cuda_kernels.parse_arch_list("8.0;9.0a 90+PTX") == ("8.0", "9.0a", "9.0+PTX")
+    with pytest.raises(cuda_kernels.KernelBuildError, match="cannot read CUDA architecture"):
+        cuda_kernels.parse_arch_list("hopper")
+
+
+def test_server_falls_back_to_cpu_when_the_kernel_cannot_load(monkeypatch, caplog):
+    from voxserve.server import model
+
+    monkeypatch.setattr(model.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(model.torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(model.cuda_kernels, "load_problem", lambda: "nvcc was not found")
+    device, kernel = model.select_device("auto")
+    assert device.type == "cpu" and kernel == "reference-cpu-fallback"
+    assert "falling back to the CPU reference path" in caplog.text
