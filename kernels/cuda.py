@@ -163,11 +163,15 @@ _library: _Library | None = None
 
 
 def library() -> _Library:
-    """Build (or find cached) and load the kernel library once per process."""
+    """Load the kernel library once per process: a prebuilt one named by VOXSERVE_KERNEL_LIBRARY (the
+    Docker image ships one), else build it (or take the cached build)."""
     global _library
     with _load_lock:
         if _library is None:
-            _library = _Library(build().path)
+            prebuilt = os.environ.get("VOXSERVE_KERNEL_LIBRARY")
+            if prebuilt and not Path(prebuilt).is_file():
+                raise KernelBuildError(f"VOXSERVE_KERNEL_LIBRARY={prebuilt} does not exist")
+            _library = _Library(Path(prebuilt) if prebuilt else build().path)
         return _library
 
 

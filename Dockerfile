@@ -1,0 +1,31 @@
+# voxserve image: the fused kernel is compiled at image build time (nvcc, no GPU needed) and the
+# runtime image carries only Python, the CUDA build of PyTorch and the kernel library.
+#   docker build -t voxserve .
+#   docker run --gpus all -p 8001:8001 -p 8002:8002 voxserve
+# Without a GPU the same image serves on the CPU.
+
+FROM nvidia/cuda:13.0.1-devel-ubuntu24.04 AS kernel
+# Flags mirror kernels/cuda.py (NVCC_FLAGS); Ampere and Hopper machine code plus PTX for newer GPUs.
+ARG CUDA_GENCODE="-gencode=arch=compute_80,code=sm_80 -gencode=arch=compute_90,code=sm_90 -gencode=arch=compute_90,code=compute_90"
+COPY kernels/csrc/fused.cu /src/fused.cu
+RUN mkdir /out && nvcc -O3 -std=c++17 -shared -Xcompiler -fPIC -lineinfo ${CUDA_GENCODE} \
+      -o /out/libvoxserve_fused.so /src/fused.cu
+
+FROM python:3.12-slim
+RUN useradd --create-home --uid 10001 voxserve
+WORKDIR /opt/voxserve
+COPY pyproject.toml README.md ./
+COPY voxserve voxserve
+COPY proto proto
+COPY server server
+COPY kernels kernels
+COPY client client
+RUN pip install --no-cache-dir ".[server]"
+COPY --from=kernel /out/libvoxserve_fused.so /opt/voxserve/lib/libvoxserve_fused.so
+ENV VOXSERVE_KERNEL_LIBRARY=/opt/voxserve/lib/libvoxserve_fused.so \
+    PYTHONUNBUFFERED=1
+USER voxserve
+EXPOSE 8001 8002
+HEALTHCHECK --interval=10s --timeout=5s --start-period=120s \
+  CMD ["voxserve", "health", "--url", "localhost:8001", "--timeout-s", "3"]
+ENTRYPOINT ["voxserve", "serve"]
