@@ -61,3 +61,10 @@ def test_server_falls_back_to_cpu_when_the_kernel_cannot_load(monkeypatch, caplo
     device, kernel = model.select_device("auto")
     assert device.type == "cpu" and kernel == "reference-cpu-fallback"
     assert "falling back to the CPU reference path" in caplog.text
+
+
+def test_prebuilt_library_path_must_exist(monkeypatch, tmp_path):
+    monkeypatch.setattr(cuda_kernels, "_library", None)
+    monkeypatch.setenv("VOXSERVE_KERNEL_LIBRARY", str(tmp_path / "missing.so"))
+    with pytest.raises(cuda_kernels.KernelBuildError, match="does not exist"):
+        cuda_kernels.library()
