@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One device-machine session: install, build the kernel, run the GPU tests, compute-sanitizer, the benchmark.
 # Usage (on the device machine, repository root): bash bench/device_check.sh [bench args...]
+# SKIP_SANITIZER=1 / SKIP_BENCH=1 leave those steps out.
 # Writes logs under $OUT (or ./device-out).
 set -uo pipefail
 OUT=${OUT:-$PWD/device-out}
@@ -32,4 +33,6 @@ if [ "${SKIP_SANITIZER:-0}" != 1 ]; then
   timeout 240 compute-sanitizer --tool memcheck --print-limit 20 python3 bench/sanitize_cases.py > "$OUT/memcheck.txt" 2>&1
   echo "memcheck rc=$?"; tail -4 "$OUT/memcheck.txt"
 fi
-timeout 300 python3 bench/kernel_bench.py --out "$OUT" "$@" 2>&1 | tee "$OUT/bench.txt" | tail -12
+if [ "${SKIP_BENCH:-0}" != 1 ]; then
+  timeout 300 python3 bench/kernel_bench.py --out "$OUT" "$@" 2>&1 | tee "$OUT/bench.txt" | tail -12
+fi

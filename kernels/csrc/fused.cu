@@ -147,14 +147,18 @@ __device__ __forceinline__ void stage_weights(const ConvWeights<CIN, COUT, K>& p
   }
 }
 
-// acc[v][co] += sum over (ci, kd, kh, kw) of in(ci, kd, row + kh, col + v + kw) * w[tap][co], where
+// acc[v][co] = bias[co] + sum over (ci, kd, kh, kw) of in(ci, kd, row + kh, col + v + kw) * w[tap][co], where
 // plane_row(ci, kd, r) points at staged row r of input plane (ci, kd). The Cin x k plane loop is rolled
 // at run time: the unrolled body (k rows x k taps x Cout x V FMAs) then fits the instruction cache;
 // unrolling everything made the kernel 20% slower.
 template <int CIN, int COUT, int K, int V, int ROWLOAD, typename PlaneRow>
-__device__ __forceinline__ void conv_accumulate(float (&acc)[V][COUT], const float* __restrict__ s_w, int ty,
-                                                int col, PlaneRow plane_row) {
+__device__ __forceinline__ void conv_accumulate(float (&acc)[V][COUT], const float (&bias)[COUT],
+                                                const float* __restrict__ s_w, int ty, int col, PlaneRow plane_row) {
   static_assert(V % 4 == 0, "V must be a multiple of 4");
+#pragma unroll
+  for (int v = 0; v < V; ++v)
+#pragma unroll
+    for (int co = 0; co < COUT; ++co) acc[v][co] = bias[co];
 #pragma unroll 1
   for (int plane = 0; plane < CIN * K; ++plane) {  // plane = ci * K + kd
     const int ci = plane / K, kd = plane - ci * K;
@@ -229,12 +233,8 @@ __global__ void __launch_bounds__(kMaxThreads, 2)
   __syncthreads();
 
   float acc[V][COUT];
-#pragma unroll
-  for (int v = 0; v < V; ++v)
-#pragma unroll
-    for (int co = 0; co < COUT; ++co) acc[v][co] = p.b[co];
   conv_accumulate<CIN, COUT, K, V, G::kRowLoad>(
-      acc, s_w, threadIdx.y, threadIdx.x * V,
+      acc, p.b, s_w, threadIdx.y, threadIdx.x * V,
       [&](int ci, int kd, int r) { return smem + ((ci * K + kd) * in_h + r) * G::kPitch; });
 
   float psum[COUT];
@@ -300,12 +300,8 @@ __global__ void __launch_bounds__(kMaxThreads, 2)
     asm volatile("cp.async.wait_group 1;\n" ::);  // all but the newest group: planes od .. od+K-1
     __syncthreads();
     float acc[V][COUT];
-#pragma unroll
-    for (int v = 0; v < V; ++v)
-#pragma unroll
-      for (int co = 0; co < COUT; ++co) acc[v][co] = p.b[co];
     conv_accumulate<CIN, COUT, K, V, G::kRowLoad>(
-        acc, s_w, threadIdx.y, threadIdx.x * V,
+        acc, p.b, s_w, threadIdx.y, threadIdx.x * V,
         [&](int ci, int kd, int r) { return ring + ((((od + kd) % kSlots) * CIN + ci) * in_h + r) * G::kPitch; });
     __syncthreads();  // every thread is done with slot od % kSlots: refill it with plane od+K+1
     if (od + 1 < d_end) {
