@@ -116,8 +116,14 @@ class VoxServer:
         self.state.ready = False
         await self._set_serving(False)
         await self.health.enter_graceful_shutdown()
-        log.info("draining: up to %.1f s for in-flight requests", grace_s)
-        await self.server.stop(grace_s)
+        log.info("draining: up to %.1f s for %d in-flight requests", grace_s, self.state.inflight)
+        # While requests are in flight the server stays open, so that new ones are answered
+        # UNAVAILABLE by the servicer (retry elsewhere) instead of being cut off by the transport.
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + grace_s
+        while self.state.inflight > 0 and loop.time() < deadline:
+            await asyncio.sleep(0.01)
+        await self.server.stop(max(0.0, deadline - loop.time()))
         if self._load_task is not None and not self._load_task.done():
             self._load_task.cancel()
         if self.state.runner is not None:

@@ -40,6 +40,7 @@ class ServingState:
     max_batch: int = 0
     ready: bool = False
     draining: bool = False
+    inflight: int = 0  # inference requests inside the servicer now
     stats: ModelStats = field(default_factory=ModelStats)
 
 
@@ -189,6 +190,7 @@ class InferenceService:
         arrived = time.perf_counter_ns()
         m, model = self.metrics, self.metrics.model
         m.inflight.labels(model).inc()
+        self.state.inflight += 1
         code = grpc.StatusCode.OK
         try:
             if isinstance(request, MalformedRequest):
@@ -222,6 +224,7 @@ class InferenceService:
             log.exception("inference failed")
             raise ServingError(grpc.StatusCode.INTERNAL, "inference failed inside the server; see its log") from None
         finally:
+            self.state.inflight -= 1
             m.inflight.labels(model).dec()
             m.requests.labels(model, code.name).inc()
             m.request_duration.labels(model).observe((time.perf_counter_ns() - arrived) / 1e9)
