@@ -46,11 +46,12 @@ class InferInput:
         return int(self.array.shape[0])
 
 
-def check_model(spec: ModelSpec, name: str, version: str) -> None:
-    if name != spec.name:
-        raise not_found(f"model '{name}' is not served here; this server serves '{spec.name}'")
-    if version and version != spec.version:
-        raise not_found(f"model '{name}' has no version '{version}'; available: '{spec.version}'")
+def check_model(served_name: str, served_version: str, name: str, version: str) -> None:
+    """NOT_FOUND unless (name, version) addresses the served model (an empty version means any)."""
+    if name != served_name:
+        raise not_found(f"model '{name}' is not served here; this server serves '{served_name}'")
+    if version and version != served_version:
+        raise not_found(f"model '{name}' has no version '{version}'; available: '{served_version}'")
 
 
 def _check_shape(spec: ModelSpec, shape: list[int]) -> tuple[int, ...]:
@@ -74,7 +75,7 @@ def _check_shape(spec: ModelSpec, shape: list[int]) -> tuple[int, ...]:
 
 def decode_request(request: pb.ModelInferRequest, spec: ModelSpec) -> InferInput:
     """Validate ``request`` against the model and return its input as a zero-copy array view."""
-    check_model(spec, request.model_name, request.model_version)
+    check_model(spec.name, spec.version, request.model_name, request.model_version)
     if len(request.inputs) != 1:
         names = [t.name for t in request.inputs]
         raise invalid(f"request has {len(request.inputs)} inputs {names}; model '{spec.name}' takes exactly one, "

@@ -199,8 +199,7 @@ class InferenceService:
             if self.state.draining:
                 raise unavailable(f"model '{self.model_name}' is shutting down; retry on another replica")
             if not self.state.ready or spec is None or runner is None:
-                codec.check_model(ModelSpec(self.model_name, self.model_version, 0, 0, 0, 0),
-                                  request.model_name, request.model_version)
+                codec.check_model(self.model_name, self.model_version, request.model_name, request.model_version)
                 raise unavailable(f"model '{self.model_name}' is not ready yet (loading or warming up)")
             decoded = codec.decode_request(request, spec)
             m.input_bytes.labels(model).inc(decoded.array.nbytes)
@@ -231,7 +230,7 @@ class InferenceService:
 
     async def _check_model(self, name: str, version: str, context) -> ModelSpec | None:
         try:
-            codec.check_model(ModelSpec(self.model_name, self.model_version, 0, 0, 0, 0), name, version)
+            codec.check_model(self.model_name, self.model_version, name, version)
         except ServingError as exc:
             await context.abort(exc.code, exc.message)
         return self.state.spec
