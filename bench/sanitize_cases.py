@@ -16,6 +16,8 @@ cases = [
     ((1, 3, 40, 12, 8), 16, 3, torch.float32, "contiguous", 2),
     ((2, 3, 16, 32, 32), 16, 3, torch.float32, "contiguous", 3),
     ((3, 3, 7, 37, 41), 16, 3, torch.float32, "contiguous", 3),
+    ((2, 3, 16, 32, 32), 16, 3, torch.float32, "contiguous", 4),
+    ((3, 3, 7, 37, 41), 16, 3, torch.float32, "contiguous", 4),
     ((1, 3, 5, 9, 17), 16, 3, torch.float16, "contiguous", 0),
     ((2, 3, 6, 7, 9), 16, 3, torch.float32, "permuted", 0),
     ((2, 4, 6, 7, 9), 20, 2, torch.bfloat16, "contiguous", 0),

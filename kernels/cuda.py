@@ -35,9 +35,10 @@ NVCC_FLAGS = ("-O3", "-std=c++17", "-shared", "-Xcompiler", "-fPIC", "-lineinfo"
 DEFAULT_ARCHS = ("9.0",)  # H100 / H200
 GENERAL_MAX_COUT = 64
 # Kernel choice for the reference configuration (make_plan in csrc/fused.cu): 0 chooses, 1 forces the
-# tile kernel, 2 the sliding-window kernel, 3 the tensor-core (3xTF32) kernel; 2 and 3 take contiguous
-# float32 input only, other inputs fall back to the tile kernel.
-VARIANTS = (1, 2, 3)
+# tile kernel, 2 the sliding-window kernel, 3 the tensor-core (3xTF32) kernel, 4 the sliding-window
+# kernel with each voxel's channels split over 2 lanes (the default); 2-4 take contiguous float32 input
+# only, other inputs fall back to the tile kernel.
+VARIANTS = (1, 2, 3, 4)
 _DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 
 

@@ -70,9 +70,10 @@ __device__ __forceinline__ float activation(float y) {
   return fmaxf(y * __saturatef(fmaf(y, 1.0f / 6.0f, 0.5f)), 0.0f);
 }
 
-// Softmax over the C (valid) channels of one voxel, added into psum with weight `scale`
-// (0 for padding voxels). Activations are >= 0, so 0 is a safe start for the max.
-template <int C>
+// Softmax over the channels of one voxel, added into psum with weight `scale` (0 for padding
+// voxels). The voxel's channels are spread over LANES adjacent lanes, C (valid_c valid) on each.
+// Activations are >= 0, so 0 is a safe start for the max.
+template <int C, int LANES = 1>
 __device__ __forceinline__ void softmax_accumulate(float (&logit)[C], int valid_c, float scale, float (&psum)[C]) {
   float m = 0.0f;
 #pragma unroll
@@ -80,6 +81,8 @@ __device__ __forceinline__ void softmax_accumulate(float (&logit)[C], int valid_
     logit[c] = activation(logit[c]);
     if (c < valid_c) m = fmaxf(m, logit[c]);
   }
+#pragma unroll
+  for (int off = 1; off < LANES; off <<= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, off));
   const float ml = m * kLog2e;
   float sum = 0.0f;
 #pragma unroll
@@ -87,27 +90,29 @@ __device__ __forceinline__ void softmax_accumulate(float (&logit)[C], int valid_
     logit[c] = c < valid_c ? fast_exp2(fmaf(logit[c], kLog2e, -ml)) : 0.0f;
     sum += logit[c];
   }
+#pragma unroll
+  for (int off = 1; off < LANES; off <<= 1) sum += __shfl_xor_sync(0xffffffffu, sum, off);
   const float inv = scale * __frcp_rn(sum);
 #pragma unroll
   for (int c = 0; c < C; ++c) psum[c] = fmaf(logit[c], inv, psum[c]);
 }
 
-// Sum psum[0..C) over the block (fixed order: warp butterflies, then warps in index order)
-// and write the valid channels to dst.
-template <int C>
+// Sum psum over the block (fixed order: warp butterflies, then warps in index order) and write
+// the valid_c channels to dst. With LANES > 1, lane l holds channels l*C .. l*C+C-1.
+template <int C, int LANES = 1>
 __device__ __forceinline__ void block_sum_to(float (&psum)[C], int valid_c, float* __restrict__ dst) {
-  __shared__ float red[kMaxWarps][C];
+  __shared__ float red[kMaxWarps][C * LANES];
   const int tid = threadIdx.y * blockDim.x + threadIdx.x;
   const int lane = tid & 31, warp = tid >> 5;
   const int nwarps = (blockDim.x * blockDim.y + 31) >> 5;
 #pragma unroll
   for (int c = 0; c < C; ++c) {
 #pragma unroll
-    for (int off = 16; off > 0; off >>= 1) psum[c] += __shfl_xor_sync(0xffffffffu, psum[c], off);
+    for (int off = 16; off >= LANES; off >>= 1) psum[c] += __shfl_xor_sync(0xffffffffu, psum[c], off);
   }
-  if (lane == 0) {
+  if (lane < LANES) {
 #pragma unroll
-    for (int c = 0; c < C; ++c) red[warp][c] = psum[c];
+    for (int c = 0; c < C; ++c) red[warp][lane * C + c] = psum[c];
   }
   __syncthreads();
   if (tid < valid_c) {
@@ -151,10 +156,12 @@ __device__ __forceinline__ void stage_weights(const ConvWeights<CIN, COUT, K>& p
 // plane_row(ci, kd, r) points at staged row r of input plane (ci, kd). The Cin x k plane loop is rolled
 // at run time: the unrolled body (k rows x k taps x Cout x V FMAs) then fits the instruction cache;
 // unrolling everything made the kernel 20% slower.
-template <int CIN, int COUT, int K, int V, int ROWLOAD, typename PlaneRow>
-__device__ __forceinline__ void conv_accumulate(float (&acc)[V][COUT], const float (&bias)[COUT],
+// The thread computes COUT output channels; s_w rows hold WSTRIDE channels (s_w and bias point at
+// the thread's first channel).
+template <int CIN, int COUT, int WSTRIDE, int K, int V, int ROWLOAD, typename PlaneRow>
+__device__ __forceinline__ void conv_accumulate(float (&acc)[V][COUT], const float* bias,
                                                 const float* __restrict__ s_w, int ty, int col, PlaneRow plane_row) {
-  static_assert(V % 4 == 0, "V must be a multiple of 4");
+  static_assert(V % 4 == 0 && COUT % 4 == 0, "V and the thread's channels must be multiples of 4");
 #pragma unroll
   for (int v = 0; v < V; ++v)
 #pragma unroll
@@ -174,7 +181,7 @@ __device__ __forceinline__ void conv_accumulate(float (&acc)[V][COUT], const flo
       }
 #pragma unroll
       for (int kw = 0; kw < K; ++kw) {
-        const float* wt = s_w + ((plane * K + kh) * K + kw) * COUT;
+        const float* wt = s_w + ((plane * K + kh) * K + kw) * WSTRIDE;
 #pragma unroll
         for (int co4 = 0; co4 < COUT; co4 += 4) {
           const float4 q = *reinterpret_cast<const float4*>(wt + co4);
@@ -191,13 +198,13 @@ __device__ __forceinline__ void conv_accumulate(float (&acc)[V][COUT], const flo
 
 // Activation + softmax of the V voxels (ow = w_first + v, row oh), added to psum; voxels outside
 // the output add nothing.
-template <int COUT, int V>
+template <int COUT, int V, int LANES = 1>
 __device__ __forceinline__ void epilogue(float (&acc)[V][COUT], const Shape& s, int oh, int w_first,
                                          float (&psum)[COUT]) {
 #pragma unroll
   for (int v = 0; v < V; ++v) {
     const float scale = (oh < s.oh && w_first + v < s.ow) ? 1.0f : 0.0f;
-    softmax_accumulate<COUT>(acc[v], COUT, scale, psum);
+    softmax_accumulate<COUT, LANES>(acc[v], COUT, scale, psum);
   }
 }
 
@@ -233,7 +240,7 @@ __global__ void __launch_bounds__(kMaxThreads, 2)
   __syncthreads();
 
   float acc[V][COUT];
-  conv_accumulate<CIN, COUT, K, V, G::kRowLoad>(
+  conv_accumulate<CIN, COUT, COUT, K, V, G::kRowLoad>(
       acc, p.b, s_w, threadIdx.y, threadIdx.x * V,
       [&](int ci, int kd, int r) { return smem + ((ci * K + kd) * in_h + r) * G::kPitch; });
 
@@ -270,8 +277,10 @@ __device__ __forceinline__ void prefetch_plane(const float* __restrict__ xn, con
 // output planes and slides along D: a ring of K+1 staged input planes, the next plane's copy in flight
 // (cp.async) while the current plane is computed. Each input plane is staged once per tile instead of
 // K times, the copies overlap the FMAs, and the block reduction runs once per block, not per plane.
-template <int CIN, int COUT, int K, int V, int TX>
-__global__ void __launch_bounds__(kMaxThreads, 2)
+// CSPLIT = 2 splits a voxel's Cout channels over 2 adjacent lanes (blockDim.x = TX * CSPLIT): half the
+// accumulators and registers, so 3 blocks fit on an SM instead of 2; the softmax then shuffles.
+template <int CIN, int COUT, int K, int V, int TX, int CSPLIT>
+__global__ void __launch_bounds__(kMaxThreads, CSPLIT == 1 ? 2 : 3)
     fused_window_kernel(const float* __restrict__ x, const Shape s, const __grid_constant__ ConvWeights<CIN, COUT, K> p,
                         float* __restrict__ partials, int tiles_w, int tiles_hw, int planes, int chunks) {
   using G = TileGeometry<K, V, TX>;
@@ -293,15 +302,17 @@ __global__ void __launch_bounds__(kMaxThreads, 2)
   prefetch_plane<CIN, G::kPitch>(xn, s, d_begin + K, h0, w0, in_h, ring, (d_begin + K) % kSlots);
   stage_weights<CIN, COUT, K>(p, s_w);
 
-  float psum[COUT];
+  constexpr int kCT = COUT / CSPLIT;  // channels per thread
+  const int cg = threadIdx.x % CSPLIT, col = (threadIdx.x / CSPLIT) * V;
+  float psum[kCT];
 #pragma unroll
-  for (int co = 0; co < COUT; ++co) psum[co] = 0.0f;
+  for (int co = 0; co < kCT; ++co) psum[co] = 0.0f;
   for (int od = d_begin; od < d_end; ++od) {
     asm volatile("cp.async.wait_group 1;\n" ::);  // all but the newest group: planes od .. od+K-1
     __syncthreads();
-    float acc[V][COUT];
-    conv_accumulate<CIN, COUT, K, V, G::kRowLoad>(
-        acc, p.b, s_w, threadIdx.y, threadIdx.x * V,
+    float acc[V][kCT];
+    conv_accumulate<CIN, kCT, COUT, K, V, G::kRowLoad>(
+        acc, p.b + cg * kCT, s_w + cg * kCT, threadIdx.y, col,
         [&](int ci, int kd, int r) { return ring + ((((od + kd) % kSlots) * CIN + ci) * in_h + r) * G::kPitch; });
     __syncthreads();  // every thread is done with slot od % kSlots: refill it with plane od+K+1
     if (od + 1 < d_end) {
@@ -309,11 +320,11 @@ __global__ void __launch_bounds__(kMaxThreads, 2)
     } else {
       asm volatile("cp.async.commit_group;\n" ::);  // keep one group per iteration
     }
-    epilogue<COUT, V>(acc, s, h0 + threadIdx.y, w0 + threadIdx.x * V, psum);
+    epilogue<kCT, V, CSPLIT>(acc, s, h0 + threadIdx.y, w0 + col, psum);
   }
   asm volatile("cp.async.wait_all;\n" ::);
   const long long slot = ((long long)n * tiles_hw + tile) * chunks + chunk;
-  block_sum_to<COUT>(psum, COUT, partials + slot * COUT);
+  block_sum_to<kCT, CSPLIT>(psum, COUT, partials + slot * COUT);
 }
 
 // ---------------------------------------------------------------------------
@@ -573,10 +584,11 @@ int check_launch(const char* what) {
 constexpr int kRefCin = 3, kRefCout = 16, kRefK = 3, kRefV = 4, kRefTX = 8;
 using RefGeometry = TileGeometry<kRefK, kRefV, kRefTX>;
 
-enum Kernel : int { kGeneral = 0, kTile = 1, kWindow = 2, kMma = 3 };
+enum Kernel : int { kGeneral = 0, kTile = 1, kWindow = 2, kMma = 3, kWindowSplit = 4 };
 
 struct Plan {
   Kernel kernel;
+  int threads_x;             // specialised kernels: blockDim.x (kRefTX column groups x channel split)
   int tiles_w, tiles_h, ty;  // specialised kernels
   int planes, chunks;        // window kernel: output planes per block, blocks along D
   int blocks;                // per sample
@@ -590,8 +602,9 @@ int resident_blocks(int per_sm) {  // blocks of a kernel resident at once on thi
   return per_sm * sms;
 }
 
-// variant: 0 chooses (window kernel for contiguous float32, else tile); 1 forces tile, 2 window,
-// 3 the tensor-core kernel (contiguous float32 only).
+// variant: 0 chooses (the split window kernel for contiguous float32, else tile); 1 forces tile,
+// 2 window, 3 the tensor-core kernel, 4 the window kernel with Cout split over 2 lanes (2-4 take
+// contiguous float32 only).
 Plan make_plan(const Shape& s, int variant, bool window_ok) {
   Plan p{};
   if (!(s.cin == kRefCin && s.cout == kRefCout && s.k == kRefK)) {
@@ -599,23 +612,40 @@ Plan make_plan(const Shape& s, int variant, bool window_ok) {
     const long long voxels = (long long)s.od * s.oh * s.ow;
     p.blocks = static_cast<int>((voxels + kMaxThreads - 1) / kMaxThreads);
   } else {
-    p.kernel = (variant == 1 || !window_ok) ? kTile : (variant == 3 ? kMma : kWindow);
+    if (variant == 1 || !window_ok) {
+      p.kernel = kTile;
+    } else {
+      p.kernel = variant == 2 ? kWindow : variant == 3 ? kMma : kWindowSplit;
+    }
+    p.threads_x = p.kernel == kWindowSplit ? 2 * kRefTX : kRefTX;
     p.tiles_w = (s.ow + RefGeometry::kTileW - 1) / RefGeometry::kTileW;
-    // Rows per tile: up to 32 (256 threads); fewer when the batch is too small to give every SM a
-    // block, since a small batch is latency-bound and each thread's work is fixed. Balanced across
-    // tiles and rounded up to whole warps (the block reduction shuffles full warps).
-    const int warp_rows = 32 / kRefTX;
+    // Rows per tile: up to 256 threads' worth; fewer when the batch is too small to give every SM a
+    // block, since a small batch is latency-bound and each thread's work is fixed. Rows per tile are
+    // whole warps (the block reduction shuffles full warps); among the tile counts near the minimum,
+    // take the one that pads the fewest rows (30 rows: 3 tiles of 10, not 2 of 16).
+    const int warp_rows = 32 / p.threads_x;
     const long long planes_total = (long long)s.n * p.tiles_w * s.od;
-    int max_ty = kMaxThreads / kRefTX;
+    int max_ty = kMaxThreads / p.threads_x;
     while (max_ty > 2 * warp_rows && planes_total * ((s.oh + max_ty - 1) / max_ty) < resident_blocks(1)) max_ty /= 2;
-    p.tiles_h = (s.oh + max_ty - 1) / max_ty;
-    p.ty = ((s.oh + p.tiles_h - 1) / p.tiles_h + warp_rows - 1) / warp_rows * warp_rows;
+    const int min_tiles = (s.oh + max_ty - 1) / max_ty;
+    double best = 1e30;
+    for (int t = min_tiles; t <= min_tiles + 2 && t <= s.oh; ++t) {
+      const int ty = ((s.oh + t - 1) / t + warp_rows - 1) / warp_rows * warp_rows;
+      if (ty > max_ty) continue;
+      const double cost = (double)t * ty + 0.25 * t * (kRefK - 1);  // padded rows, plus a little per halo
+      if (cost < best) {
+        best = cost;
+        p.tiles_h = t;
+        p.ty = ty;
+      }
+    }
     const int tiles_hw = p.tiles_w * p.tiles_h;
-    if (p.kernel == kWindow || p.kernel == kMma) {
+    if (p.kernel == kWindow || p.kernel == kMma || p.kernel == kWindowSplit) {
       // Enough planes per block to amortise the window, few enough that the grid fills the GPU.
       const long long units = (long long)s.n * tiles_hw * s.od;
-      // The window kernel fits 2 blocks per SM, the tensor-core kernel (231 registers) 1.
-      const long long want = units / resident_blocks(p.kernel == kMma ? 1 : 2);
+      // Blocks per SM: window 2, split window 3, tensor-core (231 registers) 1.
+      const int per_sm = p.kernel == kMma ? 1 : p.kernel == kWindowSplit ? 3 : 2;
+      const long long want = units / resident_blocks(per_sm);
       p.planes = static_cast<int>(want < 1 ? 1 : (want > s.od ? s.od : want));
       p.chunks = (s.od + p.planes - 1) / p.planes;
       p.planes = (s.od + p.chunks - 1) / p.chunks;  // even out the chunks
@@ -666,13 +696,14 @@ int launch_tile(const void* x, const Shape& s, const Plan& plan, const float* w_
   return check_launch("fused_tile_kernel");
 }
 
+template <int CSPLIT>
 int launch_window(const void* x, const Shape& s, const Plan& plan, const float* w_host, const float* b_host,
                   float* partials, cudaStream_t stream) {
-  auto kernel = fused_window_kernel<kRefCin, kRefCout, kRefK, kRefV, kRefTX>;
+  auto kernel = fused_window_kernel<kRefCin, kRefCout, kRefK, kRefV, kRefTX, CSPLIT>;
   const size_t smem =
       sizeof(float) * (kRefK + 1) * kRefCin * (plan.ty + kRefK - 1) * RefGeometry::kPitch;
   if (allow_smem(kernel, smem) != 0) return 1;
-  const dim3 grid(plan.tiles_w * plan.tiles_h, plan.chunks, s.n), block(kRefTX, plan.ty);
+  const dim3 grid(plan.tiles_w * plan.tiles_h, plan.chunks, s.n), block(plan.threads_x, plan.ty);
   kernel<<<grid, block, smem, stream>>>(static_cast<const float*>(x), s, ref_weights(w_host, b_host), partials,
                                         plan.tiles_w, plan.tiles_w * plan.tiles_h, plan.planes, plan.chunks);
   return check_launch("fused_window_kernel");
@@ -711,7 +742,8 @@ int dispatch(const void* x, const Shape& s, const Plan& plan, const float* w_dev
              const float* w_host, const float* b_host, float* partials, cudaStream_t stream) {
   switch (plan.kernel) {
     case kGeneral: return launch_general<T>(x, s, plan, w_dev, b_dev, partials, stream);
-    case kWindow: return launch_window(x, s, plan, w_host, b_host, partials, stream);
+    case kWindow: return launch_window<1>(x, s, plan, w_host, b_host, partials, stream);
+    case kWindowSplit: return launch_window<2>(x, s, plan, w_host, b_host, partials, stream);
     case kMma: return launch_mma(x, s, plan, w_host, b_host, partials, stream);
     default: return launch_tile<T>(x, s, plan, w_host, b_host, partials, stream);
   }
