@@ -661,16 +661,17 @@ Plan make_plan(const Shape& s, int variant, bool window_ok) {
 int launch_mma(const void* x, const Shape& s, const Plan& plan, const float* w_host, const float* b_host,
                float* partials, cudaStream_t stream);
 
-// Raise a kernel's dynamic shared-memory limit (per device) when a launch needs more than 48 KiB in all.
-template <typename KernelFn>
-int allow_smem(KernelFn kernel, size_t dynamic_bytes) {
+// Raise a kernel's dynamic shared-memory limit (per kernel, per device) to what a launch needs. The
+// recorded limit only grows, so a later launch never finds it lowered below its own need.
+template <auto KERNEL>
+int allow_smem(size_t dynamic_bytes) {
   static size_t configured[kMaxDevices] = {};
   int device = 0;
   cudaGetDevice(&device);
   if (device < 0 || device >= kMaxDevices) return fail("device index out of range%s", "");
   if (dynamic_bytes > configured[device]) {
     const cudaError_t err =
-        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)dynamic_bytes);
+        cudaFuncSetAttribute(KERNEL, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)dynamic_bytes);
     if (err != cudaSuccess) return fail("raising the shared-memory limit failed: %s", cudaGetErrorString(err));
     configured[device] = dynamic_bytes;
   }
@@ -687,9 +688,9 @@ ConvWeights<kRefCin, kRefCout, kRefK> ref_weights(const float* w_host, const flo
 template <typename T>
 int launch_tile(const void* x, const Shape& s, const Plan& plan, const float* w_host, const float* b_host,
                 float* partials, cudaStream_t stream) {
-  auto kernel = fused_tile_kernel<T, kRefCin, kRefCout, kRefK, kRefV, kRefTX>;
+  constexpr auto kernel = fused_tile_kernel<T, kRefCin, kRefCout, kRefK, kRefV, kRefTX>;
   const size_t smem = sizeof(float) * kRefCin * kRefK * (plan.ty + kRefK - 1) * RefGeometry::kPitch;
-  if (allow_smem(kernel, smem) != 0) return 1;
+  if (allow_smem<kernel>(smem) != 0) return 1;
   const dim3 grid(plan.tiles_w * plan.tiles_h, s.od, s.n), block(kRefTX, plan.ty);
   kernel<<<grid, block, smem, stream>>>(static_cast<const T*>(x), s, ref_weights(w_host, b_host), partials,
                                         plan.tiles_w, plan.tiles_w * plan.tiles_h);
@@ -699,10 +700,10 @@ int launch_tile(const void* x, const Shape& s, const Plan& plan, const float* w_
 template <int CSPLIT>
 int launch_window(const void* x, const Shape& s, const Plan& plan, const float* w_host, const float* b_host,
                   float* partials, cudaStream_t stream) {
-  auto kernel = fused_window_kernel<kRefCin, kRefCout, kRefK, kRefV, kRefTX, CSPLIT>;
+  constexpr auto kernel = fused_window_kernel<kRefCin, kRefCout, kRefK, kRefV, kRefTX, CSPLIT>;
   const size_t smem =
       sizeof(float) * (kRefK + 1) * kRefCin * (plan.ty + kRefK - 1) * RefGeometry::kPitch;
-  if (allow_smem(kernel, smem) != 0) return 1;
+  if (allow_smem<kernel>(smem) != 0) return 1;
   const dim3 grid(plan.tiles_w * plan.tiles_h, plan.chunks, s.n), block(plan.threads_x, plan.ty);
   kernel<<<grid, block, smem, stream>>>(static_cast<const float*>(x), s, ref_weights(w_host, b_host), partials,
                                         plan.tiles_w, plan.tiles_w * plan.tiles_h, plan.planes, plan.chunks);
@@ -728,9 +729,9 @@ int launch_general(const void* x, const Shape& s, const Plan& plan, const float*
 
 int launch_mma(const void* x, const Shape& s, const Plan& plan, const float* w_host, const float* b_host,
                float* partials, cudaStream_t stream) {
-  auto kernel = fused_mma_kernel<RefGeometry::kTileW, RefGeometry::kPitch>;
+  constexpr auto kernel = fused_mma_kernel<RefGeometry::kTileW, RefGeometry::kPitch>;
   const size_t smem = sizeof(float) * (kRefK + 1) * kRefCin * (plan.ty + kRefK - 1) * RefGeometry::kPitch;
-  if (allow_smem(kernel, smem) != 0) return 1;
+  if (allow_smem<kernel>(smem) != 0) return 1;
   const dim3 grid(plan.tiles_w * plan.tiles_h, plan.chunks, s.n), block(kMaxThreads);
   kernel<<<grid, block, smem, stream>>>(static_cast<const float*>(x), s, ref_weights(w_host, b_host), partials,
                                         plan.tiles_w, plan.tiles_w * plan.tiles_h, plan.planes, plan.chunks, plan.ty);
