@@ -274,11 +274,9 @@ __device__ __forceinline__ void prefetch_plane(const float* __restrict__ xn, con
 }
 
 // Window kernel: contiguous float32 input. A block owns a TY x (TX*V) tile of `planes` consecutive
-// output planes and slides along D: a ring of K+2 staged input planes, the next two planes' copies in
-// flight (cp.async) while the current plane is computed. Each input plane is staged once per tile
-// instead of K times, the copies overlap the FMAs, one barrier per plane suffices (the slot refilled
-// at plane od held plane od-1, which every thread finished before that barrier), and the block
-// reduction runs once per block, not per plane.
+// output planes and slides along D: a ring of K+1 staged input planes, the next plane's copy in flight
+// (cp.async) while the current plane is computed. Each input plane is staged once per tile instead of
+// K times, the copies overlap the FMAs, and the block reduction runs once per block, not per plane.
 // CSPLIT = 2 splits a voxel's Cout channels over 2 adjacent lanes (blockDim.x = TX * CSPLIT): half the
 // accumulators and registers, so 3 blocks fit on an SM instead of 2; the softmax then shuffles.
 template <int CIN, int COUT, int K, int V, int TX, int CSPLIT>
@@ -286,7 +284,7 @@ __global__ void __launch_bounds__(kMaxThreads, CSPLIT == 1 ? 2 : 3)
     fused_window_kernel(const float* __restrict__ x, const Shape s, const __grid_constant__ ConvWeights<CIN, COUT, K> p,
                         float* __restrict__ partials, int tiles_w, int tiles_hw, int planes, int chunks) {
   using G = TileGeometry<K, V, TX>;
-  constexpr int kSlots = K + 2;
+  constexpr int kSlots = K + 1;
   extern __shared__ __align__(16) float ring[];  // [kSlots][CIN][in_h][kPitch]
   __shared__ __align__(16) float s_w[CIN * K * K * K * COUT];
   const int ty_count = blockDim.y;
@@ -312,15 +310,16 @@ __global__ void __launch_bounds__(kMaxThreads, CSPLIT == 1 ? 2 : 3)
   for (int od = d_begin; od < d_end; ++od) {
     asm volatile("cp.async.wait_group 1;\n" ::);  // all but the newest group: planes od .. od+K-1
     __syncthreads();
-    if (od + 1 < d_end) {  // plane od+K+1 into plane od-1's slot
-      prefetch_plane<CIN, G::kPitch>(xn, s, od + K + 1, h0, w0, in_h, ring, (od + K + 1) % kSlots);
-    } else {
-      asm volatile("cp.async.commit_group;\n" ::);  // keep one group per iteration
-    }
     float acc[V][kCT];
     conv_accumulate<CIN, kCT, COUT, K, V, G::kRowLoad>(
         acc, p.b + cg * kCT, s_w + cg * kCT, threadIdx.y, col,
         [&](int ci, int kd, int r) { return ring + ((((od + kd) % kSlots) * CIN + ci) * in_h + r) * G::kPitch; });
+    __syncthreads();  // every thread is done with slot od % kSlots: refill it with plane od+K+1
+    if (od + 1 < d_end) {
+      prefetch_plane<CIN, G::kPitch>(xn, s, od + K + 1, h0, w0, in_h, ring, (od + K + 1) % kSlots);
+    } else {
+      asm volatile("cp.async.commit_group;\n" ::);  // keep one group per iteration
+    }
     epilogue<kCT, V, CSPLIT>(acc, s, h0 + threadIdx.y, w0 + col, psum);
   }
   asm volatile("cp.async.wait_all;\n" ::);
@@ -703,7 +702,7 @@ int launch_window(const void* x, const Shape& s, const Plan& plan, const float* 
                   float* partials, cudaStream_t stream) {
   constexpr auto kernel = fused_window_kernel<kRefCin, kRefCout, kRefK, kRefV, kRefTX, CSPLIT>;
   const size_t smem =
-      sizeof(float) * (kRefK + 2) * kRefCin * (plan.ty + kRefK - 1) * RefGeometry::kPitch;
+      sizeof(float) * (kRefK + 1) * kRefCin * (plan.ty + kRefK - 1) * RefGeometry::kPitch;
   if (allow_smem<kernel>(smem) != 0) return 1;
   const dim3 grid(plan.tiles_w * plan.tiles_h, plan.chunks, s.n), block(plan.threads_x, plan.ty);
   kernel<<<grid, block, smem, stream>>>(static_cast<const float*>(x), s, ref_weights(w_host, b_host), partials,
