@@ -12,7 +12,7 @@ from grpc_reflection.v1alpha import reflection
 
 from . import weights as weights_io
 from .codec import ModelSpec
-from .metrics import Metrics
+from .metrics import LATENCY_BUCKETS_S, Metrics, parse_buckets
 from .model import Model, select_device
 from .runner import Runner
 from .service import SERVICE_NAME, InferenceService, ServingState, add_to_server
@@ -33,7 +33,8 @@ class VoxServer:
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
         self.state = ServingState(max_batch=settings.max_batch)
-        self.metrics = Metrics(settings.model_name)
+        buckets = parse_buckets(settings.latency_buckets_s) if settings.latency_buckets_s else LATENCY_BUCKETS_S
+        self.metrics = Metrics(settings.model_name, buckets)
         self.health = health.aio.HealthServicer()
         options = [
             ("grpc.max_receive_message_length", settings.max_message_bytes),

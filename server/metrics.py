@@ -6,11 +6,17 @@ Each server owns its registry, so several servers can live in one process (tests
 
 from __future__ import annotations
 
+import itertools
+import logging
 from collections.abc import Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
 
 from voxserve import __version__
+
+log = logging.getLogger(__name__)
 
 # Sub-millisecond GPU executions up to multi-second CPU batches.
 LATENCY_BUCKETS_S: Sequence[float] = (
@@ -19,8 +25,56 @@ LATENCY_BUCKETS_S: Sequence[float] = (
 BATCH_BUCKETS: Sequence[float] = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 
 
+def parse_buckets(text: str) -> tuple[float, ...]:
+    """'0.001,0.01,0.1' -> (0.001, 0.01, 0.1); ValueError unless positive and increasing."""
+    values = tuple(float(v) for v in text.split(",") if v.strip())
+    if not values or any(v <= 0 for v in values) or any(b <= a for a, b in itertools.pairwise(values)):
+        raise ValueError(f"{text!r}: need positive, strictly increasing bucket bounds")
+    return values
+
+
+class NvmlCollector(Collector):
+    """GPU utilisation and memory from NVML, read when Prometheus scrapes (never on the request path)."""
+
+    def __init__(self, pynvml, count: int) -> None:
+        self._nvml = pynvml
+        self._count = count
+
+    @classmethod
+    def create(cls) -> NvmlCollector | None:
+        """A collector for the visible GPUs, or None where NVML or GPUs are absent."""
+        try:
+            import pynvml
+
+            pynvml.nvmlInit()
+            count = pynvml.nvmlDeviceGetCount()
+        except Exception as exc:  # no driver, no library, no GPU: no GPU metrics
+            log.debug("no GPU metrics: %s", exc)
+            return None
+        return cls(pynvml, count) if count > 0 else None
+
+    def collect(self):
+        util = GaugeMetricFamily("voxserve_gpu_utilization_ratio", "GPU busy fraction over the driver's last "
+                                 "sample period (NVML).", labels=["gpu"])
+        used = GaugeMetricFamily("voxserve_gpu_memory_used_bytes", "GPU memory in use (NVML).", labels=["gpu"])
+        total = GaugeMetricFamily("voxserve_gpu_memory_total_bytes", "GPU memory size (NVML).", labels=["gpu"])
+        for i in range(self._count):
+            try:
+                handle = self._nvml.nvmlDeviceGetHandleByIndex(i)
+                rates = self._nvml.nvmlDeviceGetUtilizationRates(handle)
+                memory = self._nvml.nvmlDeviceGetMemoryInfo(handle)
+            except Exception as exc:  # a GPU that stops answering: skip it in this scrape
+                log.warning("NVML query for GPU %d failed: %s", i, exc)
+                continue
+            util.add_metric([str(i)], rates.gpu / 100.0)
+            used.add_metric([str(i)], float(memory.used))
+            total.add_metric([str(i)], float(memory.total))
+        yield from (util, used, total)
+
+
 class Metrics:
-    def __init__(self, model: str, latency_buckets_s: Sequence[float] = LATENCY_BUCKETS_S) -> None:
+    def __init__(self, model: str, latency_buckets_s: Sequence[float] = LATENCY_BUCKETS_S,
+                 gpu_metrics: bool = True) -> None:
         self.registry = CollectorRegistry()
         self.model = model
         r = self.registry
@@ -47,6 +101,9 @@ class Metrics:
                                 ["version", "device", "kernel"], registry=r)
         for gauge in (self.inflight, self.queue_depth, self.model_ready):
             gauge.labels(model).set(0)
+        self.gpu_collector = NvmlCollector.create() if gpu_metrics else None
+        if self.gpu_collector is not None:
+            r.register(self.gpu_collector)
 
     def set_build(self, device: str, kernel: str) -> None:
         self.build_info.labels(__version__, device, kernel).set(1)

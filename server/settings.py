@@ -29,6 +29,7 @@ class Settings:
     max_concurrent_rpcs: int = 256
     grace_period_s: float = 30.0
     log_level: str = "INFO"
+    latency_buckets_s: str = ""  # empty: the defaults in server/metrics.py
 
 
 # flag name, field, type, help. The environment twin is VOXSERVE_<FIELD upper-cased>.
@@ -54,6 +55,8 @@ _FLAGS: Sequence[tuple[str, str, Any, str]] = (
     ("--grace-period-s", "grace_period_s", float,
      "on SIGTERM/SIGINT: how long in-flight requests may take to finish before the server exits"),
     ("--log-level", "log_level", str, "DEBUG, INFO, WARNING or ERROR"),
+    ("--latency-buckets-s", "latency_buckets_s", str,
+     "comma-separated histogram bucket bounds in seconds for the latency metrics (empty: 100 us .. 30 s)"),
 )  # fmt: skip
 
 
@@ -104,5 +107,12 @@ def validate(s: Settings) -> None:
     need(s.max_request_samples >= 1, "--max-request-samples", s.max_request_samples, "must be >= 1")
     need(s.max_concurrent_rpcs >= 1, "--max-concurrent-rpcs", s.max_concurrent_rpcs, "must be >= 1")
     need(s.grace_period_s >= 0, "--grace-period-s", s.grace_period_s, "must be >= 0")
+    if s.latency_buckets_s:
+        from .metrics import parse_buckets
+
+        try:
+            parse_buckets(s.latency_buckets_s)
+        except ValueError as exc:
+            raise ValueError(f"--latency-buckets-s={s.latency_buckets_s!r}: {exc}") from None
     need(s.log_level.upper() in ("DEBUG", "INFO", "WARNING", "ERROR"), "--log-level", s.log_level,
          "must be DEBUG, INFO, WARNING or ERROR")

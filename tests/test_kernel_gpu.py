@@ -170,6 +170,13 @@ def test_server_serves_the_fused_kernel(rng):
 
     with running_server(device="cuda") as srv:
         assert srv.wait_ready(), srv.server.load_error
+        import urllib.request
+
+        text = urllib.request.urlopen(f"http://127.0.0.1:{srv.server.metrics_port}/metrics", timeout=10).read()
+        for name in ("voxserve_gpu_utilization_ratio", "voxserve_gpu_memory_used_bytes",
+                     "voxserve_gpu_memory_total_bytes"):
+            assert f'{name}{{gpu="0"}}'.encode() in text, name
+        assert b'kernel="fused-cuda"' in text
         with Client(srv.url) as c:
             assert c.model_config().parameters["kernel"].string_value == "fused-cuda"
             w, b = srv.server.state.runner.model.weights.weight, srv.server.state.runner.model.weights.bias
