@@ -20,11 +20,16 @@ COPY proto proto
 COPY server server
 COPY kernels kernels
 COPY client client
-RUN pip install --no-cache-dir ".[server]"
+# The CUDA build of PyTorch from PyPI carries its own CUDA libraries; the driver comes from the host
+# through the NVIDIA container runtime.
+ARG TORCH_VERSION=2.13.0
+# DL3013: "." is this project from source; its dependency ranges are in pyproject.toml.
+# hadolint ignore=DL3013
+RUN pip install --no-cache-dir "torch==${TORCH_VERSION}" ".[server]"
 COPY --from=kernel /out/libvoxserve_fused.so /opt/voxserve/lib/libvoxserve_fused.so
 ENV VOXSERVE_KERNEL_LIBRARY=/opt/voxserve/lib/libvoxserve_fused.so \
     PYTHONUNBUFFERED=1
-USER voxserve
+USER 10001
 EXPOSE 8001 8002
 HEALTHCHECK --interval=10s --timeout=5s --start-period=120s \
   CMD ["voxserve", "health", "--url", "localhost:8001", "--timeout-s", "3"]
