@@ -14,7 +14,7 @@ from . import weights as weights_io
 from .codec import ModelSpec
 from .metrics import LATENCY_BUCKETS_S, Metrics, parse_buckets
 from .model import Model, select_device
-from .runner import Runner
+from .runner import BatchingConfig, Runner
 from .service import SERVICE_NAME, InferenceService, ServingState, add_to_server
 from .settings import Settings
 
@@ -75,7 +75,8 @@ class VoxServer:
             model = await asyncio.to_thread(self._build_model)
             self.state.spec = ModelSpec(s.model_name, s.model_version, model.cin, model.cout, model.k,
                                         s.max_request_samples)
-            self.state.runner = Runner(model, self.state.stats, self.metrics)
+            batching = BatchingConfig(s.batching, s.max_queue_delay_ms / 1e3, s.max_queue_size)
+            self.state.runner = Runner(model, self.state.stats, self.metrics, batching)
             self.state.device, self.state.kernel = str(model.device), model.kernel
             self.metrics.set_build(str(model.device), model.kernel)
             if not self.state.draining:
@@ -128,7 +129,7 @@ class VoxServer:
         if self._load_task is not None and not self._load_task.done():
             self._load_task.cancel()
         if self.state.runner is not None:
-            await asyncio.to_thread(self.state.runner.close)
+            await self.state.runner.close()
         log.info("stopped")
 
     async def run(self) -> int:

@@ -1,74 +1,57 @@
-"""The runner: one worker thread per device feeds the model, so the event loop never blocks on compute."""
+"""The runner: a dynamic batcher in front of one worker thread per device, so the event loop never
+blocks on compute and concurrent small requests share executions."""
 
 from __future__ import annotations
 
-import asyncio
-import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
-import torch
 
+from .batching import BatchResult, DynamicBatcher
 from .metrics import Metrics
 from .model import Model, wire_to_tensor
 from .stats import ModelStats
 
 
 @dataclass(frozen=True)
-class RunResult:
-    output: np.ndarray  # (N, Cout) float32
-    queue_ns: int  # submitted -> first execution started
+class BatchingConfig:
+    enabled: bool
+    max_delay_s: float
+    max_queue: int
 
 
 class Runner:
-    def __init__(self, model: Model, stats: ModelStats, metrics: Metrics) -> None:
+    def __init__(self, model: Model, stats: ModelStats, metrics: Metrics, batching: BatchingConfig) -> None:
         self.model = model
         self._stats = stats
         self._metrics = metrics
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"runner-{model.device}")
-        self._waiting = 0
+        depth = metrics.queue_depth.labels(metrics.model)
+        self.batcher = DynamicBatcher(self._execute, self._executor, max_batch=model.max_batch,
+                                      max_delay_s=batching.max_delay_s, max_queue=batching.max_queue,
+                                      enabled=batching.enabled, on_depth=depth.set)
 
-    async def run(self, arr: np.ndarray, datatype: str) -> RunResult:
-        """Infer one request's (N, Cin, D, H, W) wire-typed array; executions of max_batch samples each."""
-        loop = asyncio.get_running_loop()
-        submitted = time.perf_counter_ns()
-        self._waiting += 1
-        self._metrics.queue_depth.labels(self._metrics.model).set(self._waiting)
-        started: list[int] = []
-        left_queue = False
+    async def run(self, arr: np.ndarray, datatype: str, timeout_s: float | None = None) -> BatchResult:
+        """Infer one request's (N, Cin, D, H, W) wire-typed array (raises QueueFull, DeadlineExceeded)."""
+        result = await self.batcher.submit(arr, datatype, timeout_s)
+        self._metrics.queue_duration.labels(self._metrics.model).observe(result.queue_ns / 1e9)
+        return result
 
-        def dequeue() -> None:  # runs on the loop thread only, once
-            nonlocal left_queue
-            if not left_queue:
-                left_queue = True
-                self._waiting -= 1
-                self._metrics.queue_depth.labels(self._metrics.model).set(self._waiting)
-
-        def work() -> np.ndarray:
-            started.append(time.perf_counter_ns())
-            loop.call_soon_threadsafe(dequeue)
-            return self._execute(wire_to_tensor(arr, datatype))
-
-        try:
-            output = await loop.run_in_executor(self._executor, work)
-        finally:
-            dequeue()
-        queue_ns = started[0] - submitted
-        self._metrics.queue_duration.labels(self._metrics.model).observe(queue_ns / 1e9)
-        return RunResult(output, queue_ns)
-
-    def _execute(self, x: torch.Tensor) -> np.ndarray:
+    def _execute(self, batch: np.ndarray, datatype: str) -> np.ndarray:
+        """On the worker thread: executions of at most max_batch samples, each recorded."""
+        x = wire_to_tensor(batch, datatype)
         step = self.model.max_batch
         parts = []
         for i in range(0, x.shape[0], step):
             y, times = self.model.run_tensor(x[i : i + step])
-            batch = int(y.shape[0])
-            self._stats.record_execution(batch, times.input_ns, times.infer_ns, times.output_ns)
+            size = int(y.shape[0])
+            self._stats.record_execution(size, times.input_ns, times.infer_ns, times.output_ns)
             self._metrics.compute_duration.labels(self._metrics.model).observe(times.infer_ns / 1e9)
-            self._metrics.batch_size.labels(self._metrics.model).observe(batch)
+            self._metrics.batch_size.labels(self._metrics.model).observe(size)
             parts.append(y.numpy())
         return parts[0] if len(parts) == 1 else np.concatenate(parts)
 
-    def close(self) -> None:
+    async def close(self) -> None:
+        await self.batcher.close()
         self._executor.shutdown(wait=True)

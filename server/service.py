@@ -16,6 +16,7 @@ from voxserve import __version__
 from voxserve.proto import config_pb, pb
 
 from . import codec
+from .batching import DeadlineExceeded, QueueFull
 from .codec import ModelSpec
 from .errors import ServingError, unavailable
 from .metrics import Metrics
@@ -174,7 +175,7 @@ class InferenceService:
 
     async def ModelInfer(self, request, context):
         try:
-            return await self._infer(request)
+            return await self._infer(request, context.time_remaining())
         except ServingError as exc:
             await context.abort(exc.code, exc.message)
 
@@ -186,7 +187,7 @@ class InferenceService:
             except ServingError as exc:
                 yield pb.ModelStreamInferResponse(error_message=f"{exc.code.name}: {exc.message}")
 
-    async def _infer(self, request: pb.ModelInferRequest) -> pb.ModelInferResponse:
+    async def _infer(self, request: pb.ModelInferRequest, timeout_s: float | None = None) -> pb.ModelInferResponse:
         arrived = time.perf_counter_ns()
         m, model = self.metrics, self.metrics.model
         m.inflight.labels(model).inc()
@@ -203,7 +204,12 @@ class InferenceService:
                 raise unavailable(f"model '{self.model_name}' is not ready yet (loading or warming up)")
             decoded = codec.decode_request(request, spec)
             m.input_bytes.labels(model).inc(decoded.array.nbytes)
-            result = await runner.run(decoded.array, decoded.datatype)
+            try:
+                result = await runner.run(decoded.array, decoded.datatype, timeout_s)
+            except QueueFull as exc:
+                raise unavailable(f"model '{self.model_name}' is overloaded: {exc}; retry later") from None
+            except DeadlineExceeded as exc:
+                raise ServingError(grpc.StatusCode.DEADLINE_EXCEEDED, str(exc)) from None
             response = codec.encode_response(request, spec, result.output, decoded.typed_response)
             elapsed = time.perf_counter_ns() - arrived
             self.state.stats.record_success(decoded.samples, elapsed, result.queue_ns)

@@ -25,6 +25,9 @@ class Settings:
     model_version: str = "1"
     max_message_bytes: int = 128 * MiB
     max_batch: int = 128
+    batching: bool = True
+    max_queue_delay_ms: float = 0.5
+    max_queue_size: int = 512
     max_request_samples: int = 1024
     max_concurrent_rpcs: int = 256
     grace_period_s: float = 30.0
@@ -47,7 +50,14 @@ _FLAGS: Sequence[tuple[str, str, Any, str]] = (
     ("--model-version", "model_version", str, "the model's version string"),
     ("--max-message-bytes", "max_message_bytes", int,
      "largest gRPC message accepted or sent; larger ones get RESOURCE_EXHAUSTED (default: 5 reference batches)"),
-    ("--max-batch", "max_batch", int, "most samples the model runs in one execution; larger requests run in pieces"),
+    ("--max-batch", "max_batch", int,
+     "most samples in one execution: the dynamic batcher merges up to this many, larger requests run in pieces"),
+    ("--batching", "batching", "bool",
+     "merge concurrent requests of equal sample shape and datatype into one execution (--no-batching: never)"),
+    ("--max-queue-delay-ms", "max_queue_delay_ms", float,
+     "how long the batcher may hold a request waiting for more to fill a batch"),
+    ("--max-queue-size", "max_queue_size", int,
+     "most requests waiting for execution; further ones get UNAVAILABLE at once"),
     ("--max-request-samples", "max_request_samples", int,
      "most samples one request may carry (RESOURCE_EXHAUSTED above it)"),
     ("--max-concurrent-rpcs", "max_concurrent_rpcs", int,
@@ -73,11 +83,24 @@ def add_arguments(parser: argparse.ArgumentParser, environ: Mapping[str, str] | 
         env = env_name(name)
         if env in environ:
             try:
-                default = kind(environ[env])
+                default = _parse_bool(environ[env]) if kind == "bool" else kind(environ[env])
             except ValueError as exc:
-                parser.error(f"{env}={environ[env]!r} is not a valid {kind.__name__}: {exc}")
-        parser.add_argument(flag, dest=name, type=kind, default=default,
-                            help=f"{help_text} [env {env}; default: %(default)s]")
+                parser.error(f"{env}={environ[env]!r} is not valid: {exc}")
+        if kind == "bool":
+            parser.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction, default=default,
+                                help=f"{help_text} [env {env}=1|0; default: %(default)s]")
+        else:
+            parser.add_argument(flag, dest=name, type=kind, default=default,
+                                help=f"{help_text} [env {env}; default: %(default)s]")
+
+
+def _parse_bool(text: str) -> bool:
+    value = text.strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off"):
+        return False
+    raise ValueError("expected 1/0, true/false, yes/no or on/off")
 
 
 def from_namespace(ns: argparse.Namespace) -> Settings:
@@ -104,6 +127,8 @@ def validate(s: Settings) -> None:
     need(1024 <= s.max_message_bytes <= 2**31 - 1, "--max-message-bytes", s.max_message_bytes,
          "must be between 1 KiB and 2 GiB - 1 (gRPC's limit)")
     need(s.max_batch >= 1, "--max-batch", s.max_batch, "must be >= 1")
+    need(s.max_queue_delay_ms >= 0, "--max-queue-delay-ms", s.max_queue_delay_ms, "must be >= 0")
+    need(s.max_queue_size >= 1, "--max-queue-size", s.max_queue_size, "must be >= 1")
     need(s.max_request_samples >= 1, "--max-request-samples", s.max_request_samples, "must be >= 1")
     need(s.max_concurrent_rpcs >= 1, "--max-concurrent-rpcs", s.max_concurrent_rpcs, "must be >= 1")
     need(s.grace_period_s >= 0, "--grace-period-s", s.grace_period_s, "must be >= 0")

@@ -1,0 +1,171 @@
+"""Dynamic batching: concurrent requests of equal sample shape and datatype run as one execution.
+
+A bounded queue of requests, grouped by (Cin, D, H, W, datatype). One loop forms batches: it takes
+the group whose oldest request waited longest, waits up to ``max_delay_s`` (from that request's
+arrival) for ``max_batch`` samples to gather, and hands the batch to the executor thread. While a
+batch executes, new requests queue up, so under load batches grow by themselves. A request larger
+than ``max_batch`` runs alone (the runner splits it into executions of at most ``max_batch``).
+Expired requests are answered DeadlineExceeded without running; cancelled ones are dropped.
+No gRPC here: the service maps the exceptions to status codes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections import OrderedDict, deque
+from collections.abc import Callable
+from concurrent.futures import Executor
+from dataclasses import dataclass, field
+
+import numpy as np
+
+
+class QueueFull(Exception):
+    """The queue holds its maximum number of requests."""
+
+
+class DeadlineExceeded(Exception):
+    """The request's deadline passed before it could run."""
+
+
+@dataclass
+class _Item:
+    array: np.ndarray
+    deadline: float | None  # loop.time() by which the answer is due
+    future: asyncio.Future
+    arrived_ns: int = field(default_factory=time.perf_counter_ns)
+
+    @property
+    def samples(self) -> int:
+        return int(self.array.shape[0])
+
+
+@dataclass(frozen=True)
+class BatchResult:
+    output: np.ndarray  # this request's rows of the batch output
+    queue_ns: int  # arrival -> its batch started executing
+    batch_samples: int  # samples in the execution it was part of
+
+
+class DynamicBatcher:
+    def __init__(self, execute: Callable[[np.ndarray, str], np.ndarray], executor: Executor, *, max_batch: int,
+                 max_delay_s: float, max_queue: int, enabled: bool = True,
+                 on_depth: Callable[[int], None] | None = None) -> None:
+        self._execute = execute
+        self._executor = executor
+        self.max_batch, self.max_delay_s, self.max_queue, self.enabled = max_batch, max_delay_s, max_queue, enabled
+        self._on_depth = on_depth or (lambda depth: None)
+        self._groups: OrderedDict[tuple, deque[_Item]] = OrderedDict()
+        self._queued = 0
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+
+    @property
+    def depth(self) -> int:
+        """Requests waiting (not yet executing)."""
+        return self._queued
+
+    async def submit(self, array: np.ndarray, datatype: str, timeout_s: float | None = None) -> BatchResult:
+        """Queue one request's (N, Cin, D, H, W) array; QueueFull at once when the queue is full."""
+        if self._queued >= self.max_queue:
+            raise QueueFull(f"the queue holds {self._queued} requests, its limit (--max-queue-size {self.max_queue})")
+        loop = asyncio.get_running_loop()
+        if self._task is None:
+            self._task = loop.create_task(self._loop())
+        item = _Item(array, None if timeout_s is None else loop.time() + timeout_s, loop.create_future())
+        self._groups.setdefault((array.shape[1:], datatype), deque()).append(item)
+        self._queued += 1
+        self._on_depth(self._queued)
+        self._wake.set()
+        return await item.future  # a cancelled caller cancels the future: the loop then skips the item
+
+    def _next_group(self) -> tuple | None:
+        """The group whose head request arrived first."""
+        live = [(q[0].arrived_ns, key) for key, q in self._groups.items() if q]
+        return min(live)[1] if live else None
+
+    def _take(self, key: tuple) -> list[_Item]:
+        queue = self._groups[key]
+        taken: list[_Item] = []
+        samples = 0
+        while queue:
+            item = queue[0]
+            if taken and (not self.enabled or samples + item.samples > self.max_batch):
+                break
+            queue.popleft()
+            self._queued -= 1
+            if item.future.done():  # cancelled while queued
+                continue
+            taken.append(item)
+            samples += item.samples
+            if not self.enabled:
+                break
+        if not queue:
+            del self._groups[key]
+        self._on_depth(self._queued)
+        return taken
+
+    async def _gather(self, key: tuple) -> None:
+        """Wait, up to max_delay_s after the head request arrived, for a full batch of this group."""
+        loop = asyncio.get_running_loop()
+        queue = self._groups[key]
+        head_wait_s = (time.perf_counter_ns() - queue[0].arrived_ns) / 1e9
+        deadline = loop.time() + max(0.0, self.max_delay_s - head_wait_s)
+        while sum(i.samples for i in queue) < self.max_batch:
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                return
+            self._wake.clear()
+            try:
+                await asyncio.wait_for(self._wake.wait(), remaining)
+            except asyncio.TimeoutError:
+                return
+
+    async def _loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            key = self._next_group()
+            if key is None:
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            if self.enabled and self.max_delay_s > 0:
+                await self._gather(key)
+            if key not in self._groups:
+                continue
+            items = self._take(key)
+            now = loop.time()
+            runnable = []
+            for item in items:
+                if item.deadline is not None and now >= item.deadline:
+                    item.future.set_exception(DeadlineExceeded("the request's deadline passed while it was queued"))
+                else:
+                    runnable.append(item)
+            if runnable:
+                await self._run(key[1], runnable)
+
+    async def _run(self, datatype: str, items: list[_Item]) -> None:
+        started = time.perf_counter_ns()
+        # One request runs from its own buffer; several are concatenated (the one copy batching costs).
+        batch = items[0].array if len(items) == 1 else np.concatenate([i.array for i in items])
+        try:
+            output = await asyncio.get_running_loop().run_in_executor(self._executor, self._execute, batch, datatype)
+        except Exception as exc:
+            for item in items:
+                if not item.future.done():
+                    item.future.set_exception(exc)
+            return
+        offset = 0
+        for item in items:
+            rows = output[offset : offset + item.samples]
+            offset += item.samples
+            if not item.future.done():
+                item.future.set_result(BatchResult(rows, started - item.arrived_ns, batch.shape[0]))
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
