@@ -149,6 +149,9 @@ class InferenceService:
         group = config.instance_group.add(name=f"{self.model_name}_0", count=1, kind=kind)
         if self.state.device.startswith("cuda"):
             group.gpus.append(int(self.state.device.partition(":")[2] or 0))
+        runner = self.state.runner
+        if runner is not None and runner.batcher.enabled:
+            config.dynamic_batching.max_queue_delay_microseconds = int(runner.batcher.max_delay_s * 1e6)
         config.parameters["device"].string_value = self.state.device
         config.parameters["kernel"].string_value = self.state.kernel
         config.parameters["accepted_input_datatypes"].string_value = "FP32,FP16,BF16"

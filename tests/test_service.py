@@ -113,6 +113,7 @@ def test_metadata_and_config(server):
         assert [(o.name, list(o.dims)) for o in cfg.output] == [("output", [16])]
         assert cfg.parameters["device"].string_value == "cpu"
         assert cfg.parameters["kernel"].string_value == "reference-cpu"
+        assert cfg.dynamic_batching.max_queue_delay_microseconds == int(server.settings.max_queue_delay_ms * 1000)
 
 
 def test_statistics_count_real_work(server, rng):

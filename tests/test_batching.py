@@ -1,0 +1,196 @@
+"""Dynamic batcher semantics with a fake model: merge, split, deadlines, cancellation, full queue."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import numpy as np
+import pytest
+import torch
+
+from voxserve.client import AsyncClient, InferenceError
+from voxserve.kernels import reference_float64, reference_weights
+from voxserve.server.batching import DeadlineExceeded, DynamicBatcher, QueueFull
+from voxserve.server.model import relative_error
+
+from .conftest import running_server
+
+
+class FakeModel:
+    """Returns each sample's sum; records batch sizes; can be held to let a queue build up."""
+
+    def __init__(self) -> None:
+        self.batches: list[int] = []
+        self.release = threading.Event()
+        self.release.set()
+        self.started = threading.Event()
+
+    def __call__(self, batch: np.ndarray, datatype: str) -> np.ndarray:
+        self.started.set()
+        self.release.wait(30)
+        self.batches.append(int(batch.shape[0]))
+        return batch.reshape(batch.shape[0], -1).sum(axis=1, keepdims=True)
+
+
+def _x(n: int, value: float, shape=(3, 4, 4, 4)) -> np.ndarray:
+    return np.full((n, *shape), value, np.float32)
+
+
+async def _with_batcher(fn, **kwargs):
+    model = FakeModel()
+    with ThreadPoolExecutor(1) as pool:
+        options = {"max_batch": 8, "max_delay_s": 0.0, "max_queue": 64, **kwargs}
+        batcher = DynamicBatcher(model, pool, **options)
+        try:
+            return await fn(batcher, model)
+        finally:
+            model.release.set()
+            await batcher.close()
+
+
+async def _hold(batcher, model):
+    """Occupy the executor with one request so that later ones queue behind it."""
+    model.release.clear()
+    model.started.clear()
+    first = asyncio.ensure_future(batcher.submit(_x(1, 0.0, (3, 2, 2, 2)), "FP32"))
+    await asyncio.get_running_loop().run_in_executor(None, model.started.wait, 30)
+    return first
+
+
+def test_merges_queued_requests_and_splits_results():
+    async def go(batcher, model):
+        first = await _hold(batcher, model)
+        tasks = [asyncio.ensure_future(batcher.submit(_x(n, v), "FP32")) for n, v in ((1, 1.0), (2, 2.0), (3, 3.0))]
+        await asyncio.sleep(0)
+        model.release.set()
+        results = await asyncio.gather(first, *tasks)
+        return model.batches, results
+
+    batches, results = asyncio.run(_with_batcher(go))
+    assert batches == [1, 6]  # the three queued requests ran as one execution
+    for (n, v), r in zip(((1, 1.0), (2, 2.0), (3, 3.0)), results[1:], strict=True):
+        assert r.output.shape == (n, 1) and np.all(r.output == v * 3 * 64) and r.batch_samples == 6
+
+
+def test_max_batch_and_shapes_bound_a_batch():
+    async def go(batcher, model):
+        first = await _hold(batcher, model)
+        same = [asyncio.ensure_future(batcher.submit(_x(3, 1.0), "FP32")) for _ in range(3)]
+        other = asyncio.ensure_future(batcher.submit(_x(2, 1.0, (3, 5, 5, 5)), "FP32"))
+        half = asyncio.ensure_future(batcher.submit(_x(1, 1.0), "FP16"))
+        big = asyncio.ensure_future(batcher.submit(_x(20, 1.0), "FP32"))
+        await asyncio.sleep(0)
+        model.release.set()
+        await asyncio.gather(first, *same, other, half, big)
+        return model.batches
+
+    batches = asyncio.run(_with_batcher(go))
+    # 3+3 fit max_batch 8, the third 3 does not; other shapes and datatypes never merge; 20 > 8 runs alone
+    assert sorted(batches[1:]) == sorted([6, 3, 2, 1, 20])
+
+
+def test_expired_and_cancelled_requests_never_run():
+    async def go(batcher, model):
+        first = await _hold(batcher, model)
+        expired = asyncio.ensure_future(batcher.submit(_x(1, 1.0), "FP32", timeout_s=0.0))
+        cancelled = asyncio.ensure_future(batcher.submit(_x(2, 1.0), "FP32"))
+        kept = asyncio.ensure_future(batcher.submit(_x(4, 1.0), "FP32"))
+        await asyncio.sleep(0)
+        cancelled.cancel()
+        model.release.set()
+        await first
+        with pytest.raises(DeadlineExceeded):
+            await expired
+        assert (await kept).output.shape == (4, 1)
+        return model.batches
+
+    assert asyncio.run(_with_batcher(go)) == [1, 4]
+
+
+def test_full_queue_rejects_at_once_with_the_limit():
+    async def go(batcher, model):
+        first = await _hold(batcher, model)
+        queued = [asyncio.ensure_future(batcher.submit(_x(1, 1.0), "FP32")) for _ in range(2)]
+        await asyncio.sleep(0)
+        with pytest.raises(QueueFull, match="--max-queue-size 2"):
+            await batcher.submit(_x(1, 1.0), "FP32")
+        model.release.set()
+        await asyncio.gather(first, *queued)
+        return batcher.depth
+
+    assert asyncio.run(_with_batcher(go, max_queue=2)) == 0
+
+
+def test_unbatched_mode_runs_one_request_per_execution():
+    async def go(batcher, model):
+        first = await _hold(batcher, model)
+        tasks = [asyncio.ensure_future(batcher.submit(_x(1, 1.0), "FP32")) for _ in range(3)]
+        await asyncio.sleep(0)
+        model.release.set()
+        await asyncio.gather(first, *tasks)
+        return model.batches
+
+    assert asyncio.run(_with_batcher(go, enabled=False)) == [1, 1, 1, 1]
+
+
+def test_delay_gathers_a_batch_without_load():
+    async def go(batcher, model):
+        tasks = [asyncio.ensure_future(batcher.submit(_x(2, 1.0), "FP32")) for _ in range(4)]
+        await asyncio.gather(*tasks)
+        return model.batches
+
+    # the first request waits up to 5 s for 8 samples; the four arrive at once and fill the batch
+    assert asyncio.run(_with_batcher(go, max_delay_s=5.0)) == [8]
+
+
+@pytest.mark.parametrize("batching", [True, False])
+def test_server_results_batched_and_unbatched_match_float64(rng, batching):
+    w, b = reference_weights()
+    xs = [torch.randn(1, 3, 6, 7, 8, generator=rng).numpy() for _ in range(12)]
+
+    async def go(url):
+        async with AsyncClient(url) as c:
+            return await asyncio.gather(*(c.infer(x) for x in xs))
+
+    with running_server(batching=batching, max_queue_delay_ms=20.0) as srv:
+        assert srv.wait_ready()
+        ys = asyncio.run(go(srv.url))
+        stats = srv.server.state.stats.snapshot()
+    for x, y in zip(xs, ys, strict=True):
+        assert relative_error(torch.from_numpy(y), reference_float64(torch.from_numpy(x), w, b)) <= 1e-5
+    request_executions = {size: d.compute_infer.count for size, d in stats.batches.items()}
+    if batching:
+        assert max(request_executions) > 1  # concurrent requests shared executions
+    else:
+        assert request_executions.get(1, 0) >= 12
+
+
+def test_server_deadline_exceeded(rng):
+    async def go(url):
+        async with AsyncClient(url, timeout_s=0.001) as c:
+            with pytest.raises(InferenceError) as err:
+                await c.infer(np.zeros((64, 3, 16, 32, 32), np.float32))
+            return err.value.code
+
+    with running_server() as srv:
+        assert srv.wait_ready()
+        assert asyncio.run(go(srv.url)) == grpc.StatusCode.DEADLINE_EXCEEDED
+
+
+def test_server_full_queue_is_unavailable_with_the_limit():
+    x = np.random.default_rng().standard_normal((128, 3, 16, 32, 32), dtype=np.float32)
+
+    async def go(url):
+        async with AsyncClient(url, timeout_s=120) as c:
+            return await asyncio.gather(*(c.infer(x) for _ in range(6)), return_exceptions=True)
+
+    with running_server(max_queue_size=1, batching=False) as srv:
+        assert srv.wait_ready()
+        results = asyncio.run(go(srv.url))
+    rejected = [r for r in results if isinstance(r, InferenceError)]
+    served = [r for r in results if isinstance(r, np.ndarray)]
+    assert rejected and served and len(rejected) + len(served) == 6
+    assert all(r.code == grpc.StatusCode.UNAVAILABLE and "--max-queue-size 1" in r.message for r in rejected)
