@@ -1,4 +1,4 @@
-"""The `voxserve` command: serve, infer, health, weights, kernel."""
+"""The `voxserve` command: serve, infer, health, bench, weights, kernel."""
 
 from __future__ import annotations
 
@@ -23,6 +23,23 @@ def _shape(text: str) -> tuple[int, ...]:
     if len(shape) != 5 or min(shape) < 1:
         raise argparse.ArgumentTypeError(f"{text!r}: need five positive sizes N,C,D,H,W")
     return shape
+
+
+def _sample_shape(text: str) -> tuple[int, ...]:
+    shape = _int_list(text)
+    if len(shape) != 4:
+        raise argparse.ArgumentTypeError(f"{text!r}: need four positive sizes C,D,H,W")
+    return tuple(shape)
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of integers") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: values must be positive")
+    return values
 
 
 def _add_url(parser: argparse.ArgumentParser) -> None:
@@ -71,6 +88,24 @@ def build_parser() -> argparse.ArgumentParser:
                               "weights_only=True (tensors only).")
     convert.add_argument("src", metavar="STATE_DICT.pt")
     convert.add_argument("out", metavar="OUT.safetensors")
+    bench = sub.add_parser("bench", help="load-test a server: throughput and latency per concurrency level",
+                           description="Sends the same request from N concurrent workers per level; prints "
+                           "req/s, samples/s, MB/s and p50/p90/p99 latency, and the server's queue/compute split.")
+    _add_url(bench)
+    bench.add_argument("--batch", type=int, default=1, help="samples per request [default: %(default)s]")
+    bench.add_argument("--shape", type=_sample_shape, default=(3, 16, 32, 32), metavar="C,D,H,W",
+                       help="sample shape [default: 3,16,32,32]")
+    bench.add_argument("--dtype", choices=sorted(CLI_DTYPES), default="fp32", help="wire datatype")
+    bench.add_argument("--concurrency", type=_int_list, default=[1, 4, 16, 64], metavar="1,4,16,64",
+                       help="concurrency levels [default: 1,4,16,64]")
+    limit = bench.add_mutually_exclusive_group()
+    limit.add_argument("--duration", type=float, default=10.0, help="seconds per level [default: %(default)s]")
+    limit.add_argument("--requests", type=int, default=None, help="requests per level (instead of --duration)")
+    bench.add_argument("--compare-raw", action="store_true",
+                       help="also send the same bytes to a trivial sink server: the raw gRPC ceiling")
+    bench.add_argument("--json", action="store_true", help="print the results as JSON")
+    bench.add_argument("--plot", metavar="OUT.png", help="write a latency-vs-throughput plot (needs matplotlib)")
+
     kernel = sub.add_parser("kernel", help="build the fused CUDA kernel ahead of time (no GPU needed)")
     ksub = kernel.add_subparsers(dest="kernel_command", required=True, metavar="ACTION")
     kbuild = ksub.add_parser("build", help="compile kernels/csrc/fused.cu with nvcc into the kernel cache",
@@ -81,6 +116,13 @@ def build_parser() -> argparse.ArgumentParser:
                         "TORCH_CUDA_ARCH_LIST, the visible GPUs, else 9.0]")
     kbuild.add_argument("--force", action="store_true", help="rebuild even when a cached build exists")
     return parser
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from voxserve.client.bench import main as bench_main
+
+    args.dtype = CLI_DTYPES[args.dtype]
+    return bench_main(args)
 
 
 def _kernel(args: argparse.Namespace) -> int:
@@ -167,7 +209,8 @@ def _weights(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    handlers = {"serve": _serve, "infer": _infer, "health": _health, "weights": _weights, "kernel": _kernel}
+    handlers = {"serve": _serve, "infer": _infer, "health": _health, "weights": _weights, "kernel": _kernel,
+                "bench": _bench}
     return handlers[args.command](args)
 
 

@@ -1,0 +1,211 @@
+"""`voxserve bench`: a load generator for Open Inference Protocol servers, in the spirit of perf_analyzer.
+
+For each concurrency level, that many asyncio workers send the same pre-serialised ModelInfer
+request back to back for a duration or a number of requests; the report gives throughput
+(requests/s, samples/s, MB/s of input) and latency percentiles per level, and the server's own
+queue/compute split from ModelStatistics. ``--compare-raw`` sends the same bytes, in the same run, to a
+trivial sink server in another process: the gRPC transport's ceiling on this machine.
+Needs only grpcio, protobuf and numpy (matplotlib for --plot).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import multiprocessing
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+
+import grpc
+import numpy as np
+
+from voxserve.proto import pb
+
+from .client import DEFAULT_MAX_MESSAGE_BYTES, _channel_options, build_request
+
+INFER_METHOD = "/inference.GRPCInferenceService/ModelInfer"
+STATS_METHOD = "/inference.GRPCInferenceService/ModelStatistics"
+
+
+@dataclass
+class LevelResult:
+    target: str  # "voxserve" or "raw sink"
+    concurrency: int
+    requests: int
+    errors: int
+    seconds: float
+    samples_per_request: int
+    request_bytes: int
+    latencies_ms: list[float] = field(default_factory=list, repr=False)
+    server_queue_ms: float | None = None  # mean per request, from ModelStatistics
+    server_compute_ms: float | None = None  # mean per execution
+
+    @property
+    def rps(self) -> float:
+        return self.requests / self.seconds if self.seconds else 0.0
+
+    def percentile(self, q: float) -> float:
+        return float(np.percentile(self.latencies_ms, q)) if self.latencies_ms else float("nan")
+
+    def summary(self) -> dict:
+        d = {k: v for k, v in asdict(self).items() if k != "latencies_ms"}
+        d.update(requests_per_s=self.rps, samples_per_s=self.rps * self.samples_per_request,
+                 mb_per_s=self.rps * self.request_bytes / 1e6, p50_ms=self.percentile(50),
+                 p90_ms=self.percentile(90), p99_ms=self.percentile(99))
+        return d
+
+
+async def _stats(channel: grpc.aio.Channel, model: str) -> pb.ModelStatistics | None:
+    call = channel.unary_unary(STATS_METHOD, request_serializer=pb.ModelStatisticsRequest.SerializeToString,
+                               response_deserializer=pb.ModelStatisticsResponse.FromString)
+    try:
+        return (await call(pb.ModelStatisticsRequest(name=model), timeout=10)).model_stats[0]
+    except (grpc.RpcError, IndexError):
+        return None
+
+
+async def run_level(url: str, payload: bytes, samples: int, concurrency: int, *, duration_s: float | None,
+                    requests: int | None, model: str, target: str, timeout_s: float = 120.0,
+                    progress: bool = False) -> LevelResult:
+    """Drive one concurrency level; exactly one of duration_s / requests bounds it."""
+    async with grpc.aio.insecure_channel(url, options=_channel_options(DEFAULT_MAX_MESSAGE_BYTES)) as channel:
+        call = channel.unary_unary(INFER_METHOD)  # bytes in, bytes out: no client-side (de)serialisation
+        before = await _stats(channel, model) if target == "voxserve" else None
+        result = LevelResult(target, concurrency, 0, 0, 0.0, samples, len(payload))
+        issued = 0
+        started = time.perf_counter()
+        stop_at = started + duration_s if duration_s is not None else None
+
+        def more() -> bool:
+            nonlocal issued
+            if requests is not None:
+                if issued >= requests:
+                    return False
+                issued += 1
+                return True
+            return time.perf_counter() < stop_at
+
+        async def worker() -> None:
+            while more():
+                t0 = time.perf_counter()
+                try:
+                    await call(payload, timeout=timeout_s)
+                    result.latencies_ms.append((time.perf_counter() - t0) * 1e3)
+                    result.requests += 1
+                except grpc.RpcError:
+                    result.errors += 1
+
+        async def report() -> None:
+            while True:
+                await asyncio.sleep(1.0)
+                print(f"\r  {target} c={concurrency}: {result.requests} requests, "
+                      f"{time.perf_counter() - started:.0f} s", end="", file=sys.stderr, flush=True)
+
+        reporter = asyncio.create_task(report()) if progress else None
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        result.seconds = time.perf_counter() - started
+        if reporter is not None:
+            reporter.cancel()
+            print(file=sys.stderr)
+        after = await _stats(channel, model) if target == "voxserve" else None
+        if before is not None and after is not None:
+            s0, s1 = before.inference_stats, after.inference_stats
+            if s1.queue.count > s0.queue.count:
+                result.server_queue_ms = (s1.queue.ns - s0.queue.ns) / (s1.queue.count - s0.queue.count) / 1e6
+            if s1.compute_infer.count > s0.compute_infer.count:
+                result.server_compute_ms = ((s1.compute_infer.ns - s0.compute_infer.ns)
+                                            / (s1.compute_infer.count - s0.compute_infer.count) / 1e6)
+        return result
+
+
+def _sink_main(port_queue) -> None:
+    """A trivial ModelInfer sink: accepts any body, answers a fixed small response."""
+    async def serve() -> None:
+        reply = pb.ModelInferResponse(model_name="sink").SerializeToString()
+
+        async def handle(request: bytes, context) -> bytes:
+            return reply
+
+        server = grpc.aio.server(options=_channel_options(DEFAULT_MAX_MESSAGE_BYTES))
+        handler = grpc.method_handlers_generic_handler(
+            "inference.GRPCInferenceService", {"ModelInfer": grpc.unary_unary_rpc_method_handler(handle)})
+        server.add_generic_rpc_handlers((handler,))
+        port_queue.put(server.add_insecure_port("127.0.0.1:0"))
+        await server.start()
+        await server.wait_for_termination()
+
+    asyncio.run(serve())
+
+
+def format_table(results: list[LevelResult]) -> str:
+    header = (f"{'target':<10} {'conc':>5} {'req/s':>9} {'samples/s':>10} {'MB/s':>8} {'p50 ms':>8} {'p90 ms':>8} "
+              f"{'p99 ms':>8} {'errors':>6} {'srv queue ms':>12} {'srv compute ms':>14}")
+    rows = [header, "-" * len(header)]
+    for r in results:
+        q = f"{r.server_queue_ms:.2f}" if r.server_queue_ms is not None else "-"
+        c = f"{r.server_compute_ms:.2f}" if r.server_compute_ms is not None else "-"
+        rows.append(f"{r.target:<10} {r.concurrency:>5} {r.rps:>9.1f} {r.rps * r.samples_per_request:>10.1f} "
+                    f"{r.rps * r.request_bytes / 1e6:>8.1f} {r.percentile(50):>8.2f} {r.percentile(90):>8.2f} "
+                    f"{r.percentile(99):>8.2f} {r.errors:>6} {q:>12} {c:>14}")
+    return "\n".join(rows)
+
+
+def plot(results: list[LevelResult], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for target in sorted({r.target for r in results}):
+        rs = [r for r in results if r.target == target]
+        ax.plot([r.rps * r.samples_per_request for r in rs], [r.percentile(99) for r in rs], marker="o",
+                label=f"{target} p99")
+        for r in rs:
+            ax.annotate(f"c={r.concurrency}", (r.rps * r.samples_per_request, r.percentile(99)), fontsize=8)
+    ax.set_xlabel("throughput (samples/s)")
+    ax.set_ylabel("p99 latency (ms)")
+    ax.set_yscale("log")
+    ax.grid(True, alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(args) -> int:
+    """The CLI's `bench` (arguments from voxserve.cli)."""
+    shape = (args.batch, *args.shape)
+    x = np.random.default_rng(0).standard_normal(shape, dtype=np.float32)
+    payload = build_request(x, args.model_name, args.dtype).SerializeToString()
+    levels = args.concurrency
+    duration = None if args.requests else args.duration
+    results: list[LevelResult] = []
+    sink = None
+    targets = [("voxserve", args.url)]
+    if args.compare_raw:
+        ctx = multiprocessing.get_context("spawn")
+        port_queue = ctx.Queue()
+        sink = ctx.Process(target=_sink_main, args=(port_queue,), daemon=True)
+        sink.start()
+        targets.append(("raw sink", f"127.0.0.1:{port_queue.get(timeout=60)}"))
+    try:
+        for target, url in targets:
+            for c in levels:
+                results.append(asyncio.run(run_level(url, payload, args.batch, c, duration_s=duration,
+                                                     requests=args.requests, model=args.model_name, target=target,
+                                                     timeout_s=args.timeout_s, progress=not args.json)))
+    finally:
+        if sink is not None:
+            sink.terminate()
+            sink.join(10)
+    if args.json:
+        print(json.dumps({"shape": list(shape), "dtype": args.dtype, "request_bytes": len(payload),
+                          "levels": [r.summary() for r in results]}, indent=2))
+    else:
+        print(f"request: {shape} {args.dtype}, {len(payload) / 1e6:.2f} MB")
+        print(format_table(results))
+    if args.plot:
+        plot(results, args.plot)
+    failed = sum(r.errors for r in results)
+    return 1 if failed and failed == sum(r.errors + r.requests for r in results) else 0

@@ -1,0 +1,40 @@
+"""`voxserve bench` against an in-process server: a short run, JSON results, raw-sink comparison."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+
+import pytest
+
+from voxserve.cli import main
+
+
+def test_bench_reports_every_level_and_the_raw_ceiling(server, capsys):
+    rc = main(["bench", "--url", server.url, "--batch", "2", "--shape", "3,4,5,6", "--concurrency", "1,3",
+               "--requests", "6", "--compare-raw", "--json"])
+    assert rc == 0
+    report = json.loads(capsys.readouterr().out)
+    levels = report["levels"]
+    assert [(lv["target"], lv["concurrency"]) for lv in levels] == [
+        ("voxserve", 1), ("voxserve", 3), ("raw sink", 1), ("raw sink", 3)]
+    for lv in levels:
+        assert lv["requests"] == 6 and lv["errors"] == 0
+        assert lv["samples_per_s"] == pytest.approx(2 * lv["requests_per_s"])
+        assert 0 < lv["p50_ms"] <= lv["p90_ms"] <= lv["p99_ms"]
+    assert all(lv["server_compute_ms"] > 0 and lv["server_queue_ms"] >= 0 for lv in levels[:2])
+    assert report["request_bytes"] > 2 * 3 * 4 * 5 * 6 * 4
+
+
+def test_bench_counts_errors_and_fails_when_nothing_succeeds(server, capsys):
+    rc = main(["bench", "--url", server.url, "--shape", "4,4,5,6", "--concurrency", "2", "--requests", "4", "--json"])
+    assert rc == 1  # wrong Cin: every request is rejected
+    assert json.loads(capsys.readouterr().out)["levels"][0]["errors"] == 4
+
+
+@pytest.mark.skipif(importlib.util.find_spec("matplotlib") is None, reason="matplotlib is not installed")
+def test_bench_plot(server, tmp_path, capsys):
+    out = tmp_path / "curve.png"
+    assert main(["bench", "--url", server.url, "--shape", "3,4,4,4", "--concurrency", "1,2", "--requests", "3",
+                 "--plot", str(out)]) == 0
+    assert out.stat().st_size > 1000
