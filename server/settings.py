@@ -26,7 +26,7 @@ class Settings:
     max_message_bytes: int = 128 * MiB
     max_batch: int = 128
     batching: bool = True
-    max_queue_delay_ms: float = 0.5
+    max_queue_delay_ms: float = 0.0
     max_queue_size: int = 512
     max_request_samples: int = 1024
     max_concurrent_rpcs: int = 256
@@ -55,7 +55,8 @@ _FLAGS: Sequence[tuple[str, str, Any, str]] = (
     ("--batching", "batching", "bool",
      "merge concurrent requests of equal sample shape and datatype into one execution (--no-batching: never)"),
     ("--max-queue-delay-ms", "max_queue_delay_ms", float,
-     "how long the batcher may hold a request waiting for more to fill a batch"),
+     "how long the batcher may hold a request waiting for more to fill a batch (0: batch only what queued up "
+     "while the device was busy)"),
     ("--max-queue-size", "max_queue_size", int,
      "most requests waiting for execution; further ones get UNAVAILABLE at once"),
     ("--max-request-samples", "max_request_samples", int,
