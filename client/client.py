@@ -14,7 +14,7 @@ from typing import Any
 import grpc
 import numpy as np
 
-from voxserve.datatypes import INPUT_DATATYPES, from_wire, to_wire
+from voxserve.datatypes import INPUT_DATATYPES, ITEMSIZE, from_wire, to_wire
 from voxserve.proto import pb, pb_grpc
 
 DEFAULT_MODEL = "voxnet"
@@ -65,6 +65,26 @@ def parse_response(response: pb.ModelInferResponse, name: str = "output") -> np.
     raise ValueError(f"response has no output named {name!r}")
 
 
+def build_shm_request(shape: tuple[int, ...], model: str, datatype: str, input_region: str, input_offset: int = 0,
+                      output_region: str | None = None, output_offset: int = 0,
+                      output_byte_size: int | None = None) -> pb.ModelInferRequest:
+    """A ModelInferRequest whose input (and optionally output) lives in registered system shared memory."""
+    if datatype not in INPUT_DATATYPES:
+        raise ValueError(f"datatype must be one of {INPUT_DATATYPES}; got {datatype!r}")
+    request = pb.ModelInferRequest(model_name=model)
+    tensor = request.inputs.add(name="input", datatype=datatype, shape=list(shape))
+    tensor.parameters["shared_memory_region"].string_param = input_region
+    tensor.parameters["shared_memory_offset"].int64_param = input_offset
+    tensor.parameters["shared_memory_byte_size"].int64_param = int(np.prod(shape)) * ITEMSIZE[datatype]
+    out = request.outputs.add(name="output")
+    if output_region is not None:
+        out.parameters["shared_memory_region"].string_param = output_region
+        out.parameters["shared_memory_offset"].int64_param = output_offset
+        if output_byte_size is not None:
+            out.parameters["shared_memory_byte_size"].int64_param = output_byte_size
+    return request
+
+
 class Client:
     """Blocking client over one gRPC channel."""
 
@@ -84,6 +104,28 @@ class Client:
     def infer(self, x: np.ndarray, datatype: str = "FP32") -> np.ndarray:
         """Run the model on ``x`` (N, Cin, D, H, W); returns (N, Cout) float32."""
         return parse_response(self._call("ModelInfer", build_request(x, self.model, datatype)))
+
+    def infer_shared_memory(self, shape: tuple[int, ...], input_region: str, *, datatype: str = "FP32",
+                            input_offset: int = 0, output_region: str | None = None,
+                            output_offset: int = 0) -> np.ndarray | None:
+        """Infer on an input already in a registered region; the output comes back in the response, or is
+        written to output_region (then None is returned)."""
+        response = self._call("ModelInfer", build_shm_request(shape, self.model, datatype, input_region, input_offset,
+                                                              output_region, output_offset))
+        return None if output_region is not None else parse_response(response)
+
+    def register_system_shared_memory(self, name: str, key: str, byte_size: int, offset: int = 0) -> None:
+        self._call("SystemSharedMemoryRegister",
+                   pb.SystemSharedMemoryRegisterRequest(name=name, key=key, offset=offset, byte_size=byte_size))
+
+    def unregister_system_shared_memory(self, name: str = "") -> None:
+        """Unregister one region, or all of them when name is empty."""
+        self._call("SystemSharedMemoryUnregister", pb.SystemSharedMemoryUnregisterRequest(name=name))
+
+    def system_shared_memory_status(self, name: str = "") -> dict[str, tuple[str, int, int]]:
+        """{region name: (key, offset, byte_size)}."""
+        regions = self._call("SystemSharedMemoryStatus", pb.SystemSharedMemoryStatusRequest(name=name)).regions
+        return {n: (r.key, r.offset, r.byte_size) for n, r in regions.items()}
 
     def is_live(self) -> bool:
         return bool(self._call("ServerLive", pb.ServerLiveRequest()).live)

@@ -17,6 +17,7 @@ from .model import Model, select_device
 from .runner import BatchingConfig, Runner
 from .service import SERVICE_NAME, InferenceService, ServingState, add_to_server
 from .settings import Settings
+from .shm import SharedMemoryRegistry
 
 log = logging.getLogger("voxserve")
 
@@ -41,7 +42,9 @@ class VoxServer:
             ("grpc.max_send_message_length", settings.max_message_bytes),
         ]
         self.server = grpc.aio.server(options=options, maximum_concurrent_rpcs=settings.max_concurrent_rpcs)
-        self.service = InferenceService(self.state, self.metrics, settings.model_name, settings.model_version)
+        self.shm = SharedMemoryRegistry(settings.max_shm_regions, settings.max_shm_bytes)
+        self.service = InferenceService(self.state, self.metrics, settings.model_name, settings.model_version,
+                                        self.shm)
         add_to_server(self.service, self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reflection.enable_server_reflection(
@@ -130,6 +133,7 @@ class VoxServer:
             self._load_task.cancel()
         if self.state.runner is not None:
             await self.state.runner.close()
+        self.shm.close()
         log.info("stopped")
 
     async def run(self) -> int:

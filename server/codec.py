@@ -18,7 +18,7 @@ from .errors import exhausted, invalid, not_found, unimplemented
 INPUT_NAME = "input"
 OUTPUT_NAME = "output"
 DIM_NAMES = ("N", "Cin", "D", "H", "W")
-_SHARED_MEMORY_PARAMS = ("shared_memory_region", "shared_memory_offset", "shared_memory_byte_size")
+REGION_PARAM, OFFSET_PARAM, SIZE_PARAM = "shared_memory_region", "shared_memory_offset", "shared_memory_byte_size"
 _TYPED_FIELDS = ("bool_contents", "int_contents", "int64_contents", "uint_contents", "uint64_contents",
                  "fp32_contents", "fp64_contents", "bytes_contents")
 
@@ -36,10 +36,18 @@ class ModelSpec:
 
 
 @dataclass(frozen=True)
+class SharedMemoryRef:
+    region: str
+    offset: int
+    byte_size: int | None  # None: not given (outputs)
+
+
+@dataclass(frozen=True)
 class InferInput:
     array: np.ndarray  # wire-typed view (N, Cin, D, H, W); BF16 as uint16 bits
     datatype: str
     typed_response: bool  # the client sent typed contents: answer the same way
+    output_shm: SharedMemoryRef | None = None  # write the output there instead of into the response
 
     @property
     def samples(self) -> int:
@@ -73,8 +81,32 @@ def _check_shape(spec: ModelSpec, shape: list[int]) -> tuple[int, ...]:
     return tuple(int(d) for d in shape)
 
 
-def decode_request(request: pb.ModelInferRequest, spec: ModelSpec) -> InferInput:
-    """Validate ``request`` against the model and return its input as a zero-copy array view."""
+def _shm_ref(parameters, what: str) -> SharedMemoryRef | None:
+    """The shared-memory parameters of a tensor, checked for type and sign; None when it has none."""
+    if REGION_PARAM not in parameters:
+        for param in (OFFSET_PARAM, SIZE_PARAM):
+            if param in parameters:
+                raise invalid(f"{what} sets '{param}' without '{REGION_PARAM}'")
+        return None
+    region = parameters[REGION_PARAM]
+    if region.WhichOneof("parameter_choice") != "string_param":
+        raise invalid(f"{what}: '{REGION_PARAM}' must be a string parameter")
+    values = {}
+    for param in (OFFSET_PARAM, SIZE_PARAM):
+        if param in parameters:
+            p = parameters[param]
+            kind = p.WhichOneof("parameter_choice")
+            if kind not in ("int64_param", "uint64_param"):
+                raise invalid(f"{what}: '{param}' must be an integer parameter")
+            values[param] = getattr(p, kind)
+            if values[param] < 0:
+                raise invalid(f"{what}: '{param}' is {values[param]}; it must be >= 0")
+    return SharedMemoryRef(region.string_param, values.get(OFFSET_PARAM, 0), values.get(SIZE_PARAM))
+
+
+def decode_request(request: pb.ModelInferRequest, spec: ModelSpec, shm=None) -> InferInput:
+    """Validate ``request`` against the model and return its input as an array (a zero-copy view of
+    raw bytes; a private copy of shared memory). ``shm``: the SharedMemoryRegistry, if the server has one."""
     check_model(spec.name, spec.version, request.model_name, request.model_version)
     if len(request.inputs) != 1:
         names = [t.name for t in request.inputs]
@@ -83,10 +115,10 @@ def decode_request(request: pb.ModelInferRequest, spec: ModelSpec) -> InferInput
     tensor = request.inputs[0]
     if tensor.name != INPUT_NAME:
         raise invalid(f"unknown input '{tensor.name}'; model '{spec.name}' has one input, '{INPUT_NAME}'")
-    for param in _SHARED_MEMORY_PARAMS:
-        if param in tensor.parameters:
-            raise unimplemented(f"input '{INPUT_NAME}' uses parameter '{param}': this server does not support "
-                                f"shared-memory inputs yet; send the tensor in raw_input_contents")
+    input_shm = _shm_ref(tensor.parameters, f"input '{INPUT_NAME}'")
+    output_shm = _shm_ref(request.outputs[0].parameters, f"output '{OUTPUT_NAME}'") if request.outputs else None
+    if (input_shm or output_shm) and shm is None:
+        raise unimplemented("this server does not offer system shared memory")
     if tensor.datatype not in INPUT_DATATYPES:
         raise invalid(f"input '{INPUT_NAME}' has datatype '{tensor.datatype}'; supported: "
                       f"{', '.join(INPUT_DATATYPES)}")
@@ -103,6 +135,23 @@ def decode_request(request: pb.ModelInferRequest, spec: ModelSpec) -> InferInput
         elements *= dim  # Python ints: no overflow, whatever the client sent
     datatype = tensor.datatype
     typed = [f for f in _TYPED_FIELDS if len(getattr(tensor.contents, f))]
+    if output_shm is not None:
+        needed = shape[0] * spec.cout * 4
+        if output_shm.byte_size is not None and output_shm.byte_size < needed:
+            raise invalid(f"output '{OUTPUT_NAME}': {SIZE_PARAM} {output_shm.byte_size} is less than the "
+                          f"{needed} bytes of the [{shape[0]}, {spec.cout}] FP32 output")
+        output_shm = SharedMemoryRef(output_shm.region, output_shm.offset, needed)
+
+    if input_shm is not None:
+        if request.raw_input_contents or typed:
+            raise invalid(f"input '{INPUT_NAME}' is in shared memory and must carry no other data")
+        expected = elements * ITEMSIZE[datatype]
+        if input_shm.byte_size != expected:
+            raise invalid(f"input '{INPUT_NAME}' shape {list(shape)} of {datatype} needs {expected} bytes; "
+                          f"'{SIZE_PARAM}' is {input_shm.byte_size}")
+        data = shm.read(input_shm.region, input_shm.offset, expected, f"input '{INPUT_NAME}'")
+        return InferInput(np.frombuffer(data, dtype=WIRE_DTYPE[datatype]).reshape(shape), datatype, False,
+                          output_shm)
 
     if request.raw_input_contents:
         if typed:
@@ -115,7 +164,8 @@ def decode_request(request: pb.ModelInferRequest, spec: ModelSpec) -> InferInput
         if len(raw) != expected:
             raise invalid(f"input '{INPUT_NAME}' shape {list(shape)} of {datatype} needs {expected} bytes; "
                           f"raw_input_contents[0] holds {len(raw)}")
-        return InferInput(np.frombuffer(raw, dtype=WIRE_DTYPE[datatype]).reshape(shape), datatype, False)
+        return InferInput(np.frombuffer(raw, dtype=WIRE_DTYPE[datatype]).reshape(shape), datatype, False,
+                          output_shm)
 
     if not typed:
         raise invalid(f"input '{INPUT_NAME}' carries no data: set raw_input_contents or contents.fp32_contents")
@@ -129,16 +179,22 @@ def decode_request(request: pb.ModelInferRequest, spec: ModelSpec) -> InferInput
     if len(values) != elements:
         raise invalid(f"input '{INPUT_NAME}' shape {list(shape)} needs {elements} values; contents.fp32_contents "
                       f"holds {len(values)}")
-    return InferInput(np.asarray(values, dtype=np.float32).reshape(shape), datatype, True)
+    return InferInput(np.asarray(values, dtype=np.float32).reshape(shape), datatype, True, output_shm)
 
 
 def encode_response(request: pb.ModelInferRequest, spec: ModelSpec, output: np.ndarray,
-                    typed: bool) -> pb.ModelInferResponse:
-    """Build the response: FP32 (N, Cout) in raw_output_contents, or typed if the request was typed."""
+                    decoded: InferInput, shm=None) -> pb.ModelInferResponse:
+    """Build the response: FP32 (N, Cout) in raw_output_contents, typed if the request was typed, or written
+    to the requested shared-memory region (then the response carries only the tensor's description)."""
     response = pb.ModelInferResponse(model_name=spec.name, model_version=spec.version, id=request.id)
     tensor = response.outputs.add(name=OUTPUT_NAME, datatype="FP32", shape=list(output.shape))
     out = np.ascontiguousarray(output, dtype="<f4")
-    if typed:
+    if decoded.output_shm is not None:
+        ref = decoded.output_shm
+        shm.write(ref.region, ref.offset, out.tobytes(), f"output '{OUTPUT_NAME}'")
+        tensor.parameters[REGION_PARAM].string_param = ref.region
+        tensor.parameters[SIZE_PARAM].int64_param = out.nbytes
+    elif decoded.typed_response:
         tensor.contents.fp32_contents.extend(out.ravel().tolist())
     else:
         response.raw_output_contents.append(out.tobytes())

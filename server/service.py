@@ -21,13 +21,14 @@ from .codec import ModelSpec
 from .errors import ServingError, unavailable
 from .metrics import Metrics
 from .runner import Runner
+from .shm import SharedMemoryRegistry
 from .stats import Duration, ModelStats
 
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["GRPCInferenceService"].full_name
 PLATFORM = "voxserve_fused_conv3d"
-EXTENSIONS = ("model_configuration", "statistics", "streaming")
+EXTENSIONS = ("model_configuration", "statistics", "streaming", "system_shared_memory")
 
 
 @dataclass
@@ -106,7 +107,9 @@ def _duration(d: Duration) -> pb.StatisticDuration:
 
 
 class InferenceService:
-    def __init__(self, state: ServingState, metrics: Metrics, model_name: str, model_version: str) -> None:
+    def __init__(self, state: ServingState, metrics: Metrics, model_name: str, model_version: str,
+                 shm: SharedMemoryRegistry | None = None) -> None:
+        self.shm = shm
         self.state = state
         self.metrics = metrics
         self.model_name = model_name
@@ -174,6 +177,33 @@ class InferenceService:
                                   compute_infer=_duration(b.compute_infer), compute_output=_duration(b.compute_output))
         return pb.ModelStatisticsResponse(model_stats=[stats])
 
+    # --- system shared memory ----------------------------------------------------
+
+    async def SystemSharedMemoryRegister(self, request, context):
+        await self._shm_call(context, self.shm.register, request.name, request.key, request.offset,
+                             request.byte_size)
+        return pb.SystemSharedMemoryRegisterResponse()
+
+    async def SystemSharedMemoryUnregister(self, request, context):
+        await self._shm_call(context, self.shm.unregister, request.name)
+        return pb.SystemSharedMemoryUnregisterResponse()
+
+    async def SystemSharedMemoryStatus(self, request, context):
+        regions = await self._shm_call(context, self.shm.status, request.name)
+        response = pb.SystemSharedMemoryStatusResponse()
+        for r in regions:
+            response.regions[r.name].CopyFrom(pb.SystemSharedMemoryStatusResponse.RegionStatus(
+                name=r.name, key=r.key, offset=r.offset, byte_size=r.byte_size))
+        return response
+
+    async def _shm_call(self, context, fn, *args):
+        if self.shm is None:
+            await context.abort(grpc.StatusCode.UNIMPLEMENTED, "this server does not offer system shared memory")
+        try:
+            return fn(*args)
+        except ServingError as exc:
+            await context.abort(exc.code, exc.message)
+
     # --- inference -----------------------------------------------------------
 
     async def ModelInfer(self, request, context):
@@ -205,7 +235,7 @@ class InferenceService:
             if not self.state.ready or spec is None or runner is None:
                 codec.check_model(self.model_name, self.model_version, request.model_name, request.model_version)
                 raise unavailable(f"model '{self.model_name}' is not ready yet (loading or warming up)")
-            decoded = codec.decode_request(request, spec)
+            decoded = codec.decode_request(request, spec, self.shm)
             m.input_bytes.labels(model).inc(decoded.array.nbytes)
             try:
                 result = await runner.run(decoded.array, decoded.datatype, timeout_s)
@@ -213,7 +243,7 @@ class InferenceService:
                 raise unavailable(f"model '{self.model_name}' is overloaded: {exc}; retry later") from None
             except DeadlineExceeded as exc:
                 raise ServingError(grpc.StatusCode.DEADLINE_EXCEEDED, str(exc)) from None
-            response = codec.encode_response(request, spec, result.output, decoded.typed_response)
+            response = codec.encode_response(request, spec, result.output, decoded, self.shm)
             elapsed = time.perf_counter_ns() - arrived
             self.state.stats.record_success(decoded.samples, elapsed, result.queue_ns)
             m.samples.labels(model).inc(decoded.samples)

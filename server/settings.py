@@ -28,6 +28,8 @@ class Settings:
     batching: bool = True
     max_queue_delay_ms: float = 0.0
     max_queue_size: int = 512
+    max_shm_regions: int = 64
+    max_shm_bytes: int = 8 * 1024 * MiB
     max_request_samples: int = 1024
     max_concurrent_rpcs: int = 256
     grace_period_s: float = 30.0
@@ -59,6 +61,8 @@ _FLAGS: Sequence[tuple[str, str, Any, str]] = (
      "while the device was busy)"),
     ("--max-queue-size", "max_queue_size", int,
      "most requests waiting for execution; further ones get UNAVAILABLE at once"),
+    ("--max-shm-regions", "max_shm_regions", int, "most system shared-memory regions registered at once"),
+    ("--max-shm-bytes", "max_shm_bytes", int, "most bytes of shared memory mapped across all regions"),
     ("--max-request-samples", "max_request_samples", int,
      "most samples one request may carry (RESOURCE_EXHAUSTED above it)"),
     ("--max-concurrent-rpcs", "max_concurrent_rpcs", int,
@@ -130,6 +134,8 @@ def validate(s: Settings) -> None:
     need(s.max_batch >= 1, "--max-batch", s.max_batch, "must be >= 1")
     need(s.max_queue_delay_ms >= 0, "--max-queue-delay-ms", s.max_queue_delay_ms, "must be >= 0")
     need(s.max_queue_size >= 1, "--max-queue-size", s.max_queue_size, "must be >= 1")
+    need(s.max_shm_regions >= 0, "--max-shm-regions", s.max_shm_regions, "must be >= 0")
+    need(s.max_shm_bytes >= 0, "--max-shm-bytes", s.max_shm_bytes, "must be >= 0")
     need(s.max_request_samples >= 1, "--max-request-samples", s.max_request_samples, "must be >= 1")
     need(s.max_concurrent_rpcs >= 1, "--max-concurrent-rpcs", s.max_concurrent_rpcs, "must be >= 1")
     need(s.grace_period_s >= 0, "--grace-period-s", s.grace_period_s, "must be >= 0")

@@ -71,10 +71,8 @@ CASES = {
     "typed wrong length": (_typed([1.0] * (N_OK - 1)), IA, f"needs {N_OK} values; contents.fp32_contents holds"),
     "typed wrong field": (_typed([1] * N_OK, field="int_contents"), IA, "sets contents.int_contents"),
     "typed fp16": (_typed([1] * N_OK, datatype="FP16", field="uint_contents"), IA, "FP16 travels only in raw"),
-    "shared memory": (_mutate(lambda r: r.inputs[0].parameters["shared_memory_region"].string_param.__len__()
-                              or r.inputs[0].parameters["shared_memory_region"].MergeFrom(
-                                  pb.InferParameter(string_param="r0"))),
-                      grpc.StatusCode.UNIMPLEMENTED, "shared_memory_region"),
+    "shared memory and raw": (_mutate(lambda r: r.inputs[0].parameters["shared_memory_region"].MergeFrom(
+        pb.InferParameter(string_param="r0"))), IA, "must carry no other data"),
 }
 
 
@@ -124,5 +122,5 @@ def test_other_metadata_rpcs_name_the_model(server):
                 call(req, timeout=30)
             assert err.value.code() == grpc.StatusCode.NOT_FOUND and "'x'" in err.value.details()
         with pytest.raises(grpc.RpcError) as err:
-            stub.SystemSharedMemoryStatus(pb.SystemSharedMemoryStatusRequest(), timeout=30)
-        assert err.value.code() == grpc.StatusCode.UNIMPLEMENTED
+            stub.SystemSharedMemoryStatus(pb.SystemSharedMemoryStatusRequest(name="nope"), timeout=30)
+        assert err.value.code() == grpc.StatusCode.NOT_FOUND and "'nope'" in err.value.details()

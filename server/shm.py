@@ -1,0 +1,124 @@
+"""System shared memory (the protocol's extension): clients on the same host register POSIX shared-memory
+segments and pass tensors by region + offset instead of over the socket.
+
+Only regular files directly under /dev/shm can be registered (a key is a name, never a path; symlinks are
+refused). Every access re-checks bounds against the segment's current size, so hostile offsets and sizes
+get INVALID_ARGUMENT instead of an out-of-bounds read.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import re
+import stat
+import threading
+from dataclasses import dataclass
+
+import grpc
+
+from .errors import ServingError, exhausted, invalid, not_found
+
+SHM_DIR = "/dev/shm"
+_KEY = re.compile(r"^/?([A-Za-z0-9_.-]{1,200})$")
+_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,128}$")
+
+
+@dataclass
+class Region:
+    name: str
+    key: str
+    offset: int
+    byte_size: int
+    fd: int
+    mapping: mmap.mmap
+
+    def close(self) -> None:
+        self.mapping.close()
+        os.close(self.fd)
+
+
+class SharedMemoryRegistry:
+    def __init__(self, max_regions: int = 64, max_total_bytes: int = 8 * 1024**3) -> None:
+        self.max_regions, self.max_total_bytes = max_regions, max_total_bytes
+        self._regions: dict[str, Region] = {}
+        self._lock = threading.Lock()
+
+    def register(self, name: str, key: str, offset: int, byte_size: int) -> None:
+        if not _NAME.match(name):
+            raise invalid(f"region name {name!r} must be 1-128 letters, digits, '_', '-' or '.'")
+        match = _KEY.match(key)
+        if not match or match.group(1) in (".", ".."):
+            raise invalid(f"shared-memory key {key!r} must be a name under {SHM_DIR} ('/name' or 'name'), "
+                          f"not a path")
+        if byte_size <= 0:
+            raise invalid(f"region {name!r}: byte_size {byte_size} must be > 0")
+        with self._lock:
+            if name in self._regions:
+                raise ServingError(grpc.StatusCode.ALREADY_EXISTS, f"region {name!r} is already registered")
+            if len(self._regions) >= self.max_regions:
+                raise exhausted(f"{len(self._regions)} regions are registered, the limit (--max-shm-regions)")
+            total = sum(r.byte_size for r in self._regions.values()) + byte_size
+            if total > self.max_total_bytes:
+                raise exhausted(f"registering {byte_size} bytes would map {total} bytes of shared memory; "
+                                f"the limit is {self.max_total_bytes} (--max-shm-bytes)")
+            path = os.path.join(SHM_DIR, match.group(1))
+            try:
+                fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+            except FileNotFoundError:
+                raise not_found(f"no shared-memory segment {key!r} ({path})") from None
+            except OSError as exc:
+                raise invalid(f"shared-memory key {key!r} cannot be opened: {exc.strerror}") from None
+            try:
+                info = os.fstat(fd)
+                if not stat.S_ISREG(info.st_mode):
+                    raise invalid(f"shared-memory key {key!r} is not a shared-memory segment")
+                if offset + byte_size > info.st_size:
+                    raise invalid(f"region {name!r}: offset {offset} + byte_size {byte_size} exceeds the segment's "
+                                  f"{info.st_size} bytes")
+                mapping = mmap.mmap(fd, info.st_size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            except BaseException:
+                os.close(fd)
+                raise
+            self._regions[name] = Region(name, key, offset, byte_size, fd, mapping)
+
+    def unregister(self, name: str) -> None:
+        """Unregister one region, or every region when name is empty."""
+        with self._lock:
+            if name and name not in self._regions:
+                raise not_found(f"region {name!r} is not registered")
+            for key in [name] if name else list(self._regions):
+                self._regions.pop(key).close()
+
+    def status(self, name: str) -> list[Region]:
+        with self._lock:
+            if name and name not in self._regions:
+                raise not_found(f"region {name!r} is not registered")
+            return [self._regions[name]] if name else list(self._regions.values())
+
+    def _slice(self, name: str, offset: int, byte_size: int, what: str) -> tuple[Region, int]:
+        region = self._regions.get(name)
+        if region is None:
+            raise not_found(f"{what}: shared-memory region {name!r} is not registered")
+        if offset < 0 or byte_size < 0 or offset + byte_size > region.byte_size:
+            raise invalid(f"{what}: offset {offset} + byte_size {byte_size} is outside region {name!r} "
+                          f"({region.byte_size} bytes)")
+        start = region.offset + offset
+        # The client may have shrunk the segment since registration: reading past its end would fault.
+        if os.fstat(region.fd).st_size < start + byte_size:
+            raise invalid(f"{what}: shared-memory segment {region.key!r} is now smaller than region {name!r}")
+        return region, start
+
+    def read(self, name: str, offset: int, byte_size: int, what: str) -> bytes:
+        """A private copy of the bytes (the request keeps no reference into the client's memory)."""
+        with self._lock:
+            region, start = self._slice(name, offset, byte_size, what)
+            return region.mapping[start : start + byte_size]
+
+    def write(self, name: str, offset: int, data: bytes, what: str) -> None:
+        with self._lock:
+            region, start = self._slice(name, offset, len(data), what)
+            region.mapping[start : start + len(data)] = data
+
+    def close(self) -> None:
+        self.unregister("")
