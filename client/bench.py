@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import json
 import multiprocessing
+import os
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -20,9 +21,11 @@ from dataclasses import asdict, dataclass, field
 import grpc
 import numpy as np
 
+from voxserve.datatypes import to_wire
 from voxserve.proto import pb
 
-from .client import DEFAULT_MAX_MESSAGE_BYTES, _channel_options, build_request
+from .client import DEFAULT_MAX_MESSAGE_BYTES, Client, _channel_options, build_request, build_shm_request
+from .shm import SharedMemoryBuffer
 
 INFER_METHOD = "/inference.GRPCInferenceService/ModelInfer"
 STATS_METHOD = "/inference.GRPCInferenceService/ModelStatistics"
@@ -36,7 +39,7 @@ class LevelResult:
     errors: int
     seconds: float
     samples_per_request: int
-    request_bytes: int
+    request_bytes: int  # tensor bytes per request (in shared memory or on the wire)
     latencies_ms: list[float] = field(default_factory=list, repr=False)
     server_queue_ms: float | None = None  # mean per request, from ModelStatistics
     server_compute_ms: float | None = None  # mean per execution
@@ -65,14 +68,15 @@ async def _stats(channel: grpc.aio.Channel, model: str) -> pb.ModelStatistics | 
         return None
 
 
-async def run_level(url: str, payload: bytes, samples: int, concurrency: int, *, duration_s: float | None,
+async def run_level(url: str, payload: bytes, samples: int, tensor_bytes: int, concurrency: int, *,
+                    duration_s: float | None,
                     requests: int | None, model: str, target: str, timeout_s: float = 120.0,
                     progress: bool = False) -> LevelResult:
     """Drive one concurrency level; exactly one of duration_s / requests bounds it."""
     async with grpc.aio.insecure_channel(url, options=_channel_options(DEFAULT_MAX_MESSAGE_BYTES)) as channel:
         call = channel.unary_unary(INFER_METHOD)  # bytes in, bytes out: no client-side (de)serialisation
         before = await _stats(channel, model) if target == "voxserve" else None
-        result = LevelResult(target, concurrency, 0, 0, 0.0, samples, len(payload))
+        result = LevelResult(target, concurrency, 0, 0, 0.0, samples, tensor_bytes)
         issued = 0
         started = time.perf_counter()
         stop_at = started + duration_s if duration_s is not None else None
@@ -178,6 +182,21 @@ def main(args) -> int:
     shape = (args.batch, *args.shape)
     x = np.random.default_rng(0).standard_normal(shape, dtype=np.float32)
     payload = build_request(x, args.model_name, args.dtype).SerializeToString()
+    tensor_bytes = len(to_wire(x, args.dtype))
+    shm_buffers = []
+    if args.shared_memory:
+        # Input and output in shared memory: only a few hundred bytes of request cross the socket.
+        wire = to_wire(x, args.dtype)
+        tag = f"voxbench_{os.getpid()}"
+        shm_in = SharedMemoryBuffer(f"{tag}_in", len(wire))
+        shm_out = SharedMemoryBuffer(f"{tag}_out", 4 * args.batch * 1024)
+        shm_buffers = [shm_in, shm_out]
+        shm_in.write(np.frombuffer(wire, np.uint8))
+        with Client(args.url, model=args.model_name) as c:
+            c.register_system_shared_memory(f"{tag}_in", shm_in.key, shm_in.size)
+            c.register_system_shared_memory(f"{tag}_out", shm_out.key, shm_out.size)
+        payload = build_shm_request(shape, args.model_name, args.dtype, f"{tag}_in",
+                                    output_region=f"{tag}_out").SerializeToString()
     levels = args.concurrency
     duration = None if args.requests else args.duration
     results: list[LevelResult] = []
@@ -192,18 +211,26 @@ def main(args) -> int:
     try:
         for target, url in targets:
             for c in levels:
-                results.append(asyncio.run(run_level(url, payload, args.batch, c, duration_s=duration,
+                results.append(asyncio.run(run_level(url, payload, args.batch, tensor_bytes, c, duration_s=duration,
                                                      requests=args.requests, model=args.model_name, target=target,
                                                      timeout_s=args.timeout_s, progress=not args.json)))
     finally:
         if sink is not None:
             sink.terminate()
             sink.join(10)
+        if shm_buffers:
+            with Client(args.url, model=args.model_name) as c:
+                for region in (f"voxbench_{os.getpid()}_in", f"voxbench_{os.getpid()}_out"):
+                    c.unregister_system_shared_memory(region)
+            for buf in shm_buffers:
+                buf.close()
     if args.json:
         print(json.dumps({"shape": list(shape), "dtype": args.dtype, "request_bytes": len(payload),
+                          "tensor_bytes": tensor_bytes, "shared_memory": bool(args.shared_memory),
                           "levels": [r.summary() for r in results]}, indent=2))
     else:
-        print(f"request: {shape} {args.dtype}, {len(payload) / 1e6:.2f} MB")
+        where = "in shared memory, " if args.shared_memory else ""
+        print(f"request: {shape} {args.dtype}, {where}{len(payload) / 1e6:.2f} MB on the wire")
         print(format_table(results))
     if args.plot:
         plot(results, args.plot)

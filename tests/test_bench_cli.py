@@ -23,7 +23,8 @@ def test_bench_reports_every_level_and_the_raw_ceiling(server, capsys):
         assert lv["samples_per_s"] == pytest.approx(2 * lv["requests_per_s"])
         assert 0 < lv["p50_ms"] <= lv["p90_ms"] <= lv["p99_ms"]
     assert all(lv["server_compute_ms"] > 0 and lv["server_queue_ms"] >= 0 for lv in levels[:2])
-    assert report["request_bytes"] > 2 * 3 * 4 * 5 * 6 * 4
+    assert report["tensor_bytes"] == 2 * 3 * 4 * 5 * 6 * 4 < report["request_bytes"]
+    assert levels[0]["mb_per_s"] == pytest.approx(levels[0]["requests_per_s"] * report["tensor_bytes"] / 1e6)
 
 
 def test_bench_counts_errors_and_fails_when_nothing_succeeds(server, capsys):
@@ -38,3 +39,17 @@ def test_bench_plot(server, tmp_path, capsys):
     assert main(["bench", "--url", server.url, "--shape", "3,4,4,4", "--concurrency", "1,2", "--requests", "3",
                  "--plot", str(out)]) == 0
     assert out.stat().st_size > 1000
+
+
+def test_bench_over_shared_memory(server, capsys):
+    rc = main(["bench", "--url", server.url, "--batch", "2", "--shape", "3,4,5,6", "--concurrency", "2",
+               "--requests", "4", "--shared-memory", "--json"])
+    assert rc == 0
+    report = json.loads(capsys.readouterr().out)
+    level = report["levels"][0]
+    assert level["requests"] == 4 and level["errors"] == 0
+    assert report["request_bytes"] < 1000  # only the request's description crossed the socket
+    from voxserve.client import Client
+
+    with Client(server.url) as c:
+        assert c.system_shared_memory_status() == {}  # the bench cleaned up its regions
