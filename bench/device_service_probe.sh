@@ -17,6 +17,7 @@ run() {  # $1: extra serve flags, $2..: bench args
 {
   run "" --batch 128 --concurrency 1,4 --duration 5 --compare-raw
   run "" --batch 128 --dtype fp16 --concurrency 1,4 --duration 5
+  run "" --batch 128 --concurrency 1,4 --duration 5 --shared-memory
   run "" --batch 1 --concurrency 1,64 --duration 5
   run "--no-batching" --batch 1 --concurrency 1,64 --duration 5
 } 2>&1 | tee "$OUT/service-probe.txt"
