@@ -25,6 +25,7 @@ from voxserve.datatypes import to_wire
 from voxserve.proto import pb
 
 from .client import DEFAULT_MAX_MESSAGE_BYTES, Client, _channel_options, build_request, build_shm_request
+from .security import PLAINTEXT, Credentials
 from .shm import SharedMemoryBuffer
 
 INFER_METHOD = "/inference.GRPCInferenceService/ModelInfer"
@@ -59,11 +60,11 @@ class LevelResult:
         return d
 
 
-async def _stats(channel: grpc.aio.Channel, model: str) -> pb.ModelStatistics | None:
+async def _stats(channel: grpc.aio.Channel, model: str, metadata) -> pb.ModelStatistics | None:
     call = channel.unary_unary(STATS_METHOD, request_serializer=pb.ModelStatisticsRequest.SerializeToString,
                                response_deserializer=pb.ModelStatisticsResponse.FromString)
     try:
-        return (await call(pb.ModelStatisticsRequest(name=model), timeout=10)).model_stats[0]
+        return (await call(pb.ModelStatisticsRequest(name=model), timeout=10, metadata=metadata)).model_stats[0]
     except (grpc.RpcError, IndexError):
         return None
 
@@ -71,11 +72,12 @@ async def _stats(channel: grpc.aio.Channel, model: str) -> pb.ModelStatistics | 
 async def run_level(url: str, payload: bytes, samples: int, tensor_bytes: int, concurrency: int, *,
                     duration_s: float | None,
                     requests: int | None, model: str, target: str, timeout_s: float = 120.0,
-                    progress: bool = False) -> LevelResult:
+                    progress: bool = False, credentials: Credentials = PLAINTEXT) -> LevelResult:
     """Drive one concurrency level; exactly one of duration_s / requests bounds it."""
-    async with grpc.aio.insecure_channel(url, options=_channel_options(DEFAULT_MAX_MESSAGE_BYTES)) as channel:
+    metadata = credentials.metadata()
+    async with credentials.channel(url, _channel_options(DEFAULT_MAX_MESSAGE_BYTES), aio=True) as channel:
         call = channel.unary_unary(INFER_METHOD)  # bytes in, bytes out: no client-side (de)serialisation
-        before = await _stats(channel, model) if target == "voxserve" else None
+        before = await _stats(channel, model, metadata) if target == "voxserve" else None
         result = LevelResult(target, concurrency, 0, 0, 0.0, samples, tensor_bytes)
         issued = 0
         started = time.perf_counter()
@@ -94,7 +96,7 @@ async def run_level(url: str, payload: bytes, samples: int, tensor_bytes: int, c
             while more():
                 t0 = time.perf_counter()
                 try:
-                    await call(payload, timeout=timeout_s)
+                    await call(payload, timeout=timeout_s, metadata=metadata)
                     result.latencies_ms.append((time.perf_counter() - t0) * 1e3)
                     result.requests += 1
                 except grpc.RpcError:
@@ -112,7 +114,7 @@ async def run_level(url: str, payload: bytes, samples: int, tensor_bytes: int, c
         if reporter is not None:
             reporter.cancel()
             print(file=sys.stderr)
-        after = await _stats(channel, model) if target == "voxserve" else None
+        after = await _stats(channel, model, metadata) if target == "voxserve" else None
         if before is not None and after is not None:
             s0, s1 = before.inference_stats, after.inference_stats
             if s1.queue.count > s0.queue.count:
@@ -180,6 +182,7 @@ def plot(results: list[LevelResult], path: str) -> None:
 def main(args) -> int:
     """The CLI's `bench` (arguments from voxserve.cli)."""
     shape = (args.batch, *args.shape)
+    creds = args.credentials
     x = np.random.default_rng(0).standard_normal(shape, dtype=np.float32)
     payload = build_request(x, args.model_name, args.dtype).SerializeToString()
     tensor_bytes = len(to_wire(x, args.dtype))
@@ -192,7 +195,7 @@ def main(args) -> int:
         shm_out = SharedMemoryBuffer(f"{tag}_out", 4 * args.batch * 1024)
         shm_buffers = [shm_in, shm_out]
         shm_in.write(np.frombuffer(wire, np.uint8))
-        with Client(args.url, model=args.model_name) as c:
+        with Client(args.url, model=args.model_name, credentials=creds) as c:
             c.register_system_shared_memory(f"{tag}_in", shm_in.key, shm_in.size)
             c.register_system_shared_memory(f"{tag}_out", shm_out.key, shm_out.size)
         payload = build_shm_request(shape, args.model_name, args.dtype, f"{tag}_in",
@@ -201,25 +204,27 @@ def main(args) -> int:
     duration = None if args.requests else args.duration
     results: list[LevelResult] = []
     sink = None
-    targets = [("voxserve", args.url)]
+    targets = [("voxserve", args.url, creds)]
     if args.compare_raw:
         ctx = multiprocessing.get_context("spawn")
         port_queue = ctx.Queue()
         sink = ctx.Process(target=_sink_main, args=(port_queue,), daemon=True)
         sink.start()
-        targets.append(("raw sink", f"127.0.0.1:{port_queue.get(timeout=60)}"))
+        # The sink is plaintext and local: with TLS to voxserve the comparison includes TLS's cost.
+        targets.append(("raw sink", f"127.0.0.1:{port_queue.get(timeout=60)}", PLAINTEXT))
     try:
-        for target, url in targets:
+        for target, url, target_creds in targets:
             for c in levels:
                 results.append(asyncio.run(run_level(url, payload, args.batch, tensor_bytes, c, duration_s=duration,
                                                      requests=args.requests, model=args.model_name, target=target,
-                                                     timeout_s=args.timeout_s, progress=not args.json)))
+                                                     timeout_s=args.timeout_s, progress=not args.json,
+                                                     credentials=target_creds)))
     finally:
         if sink is not None:
             sink.terminate()
             sink.join(10)
         if shm_buffers:
-            with Client(args.url, model=args.model_name) as c:
+            with Client(args.url, model=args.model_name, credentials=creds) as c:
                 for region in (f"voxbench_{os.getpid()}_in", f"voxbench_{os.getpid()}_out"):
                     c.unregister_system_shared_memory(region)
             for buf in shm_buffers:

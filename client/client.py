@@ -17,6 +17,8 @@ import numpy as np
 from voxserve.datatypes import INPUT_DATATYPES, ITEMSIZE, from_wire, to_wire
 from voxserve.proto import pb, pb_grpc
 
+from .security import PLAINTEXT, Credentials
+
 DEFAULT_MODEL = "voxnet"
 DEFAULT_MAX_MESSAGE_BYTES = 512 * 1024 * 1024
 
@@ -86,18 +88,20 @@ def build_shm_request(shape: tuple[int, ...], model: str, datatype: str, input_r
 
 
 class Client:
-    """Blocking client over one gRPC channel."""
+    """Blocking client over one gRPC channel (plaintext, or TLS/mTLS/token per ``credentials``)."""
 
     def __init__(self, url: str, model: str = DEFAULT_MODEL, timeout_s: float | None = 60.0,
-                 max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> None:
+                 max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, credentials: Credentials | None = None) -> None:
         self.model = model
         self.timeout_s = timeout_s
-        self._channel = grpc.insecure_channel(url, options=_channel_options(max_message_bytes))
+        self.credentials = credentials or PLAINTEXT
+        self._metadata = self.credentials.metadata()
+        self._channel = self.credentials.channel(url, _channel_options(max_message_bytes))
         self._stub = pb_grpc.GRPCInferenceServiceStub(self._channel)
 
     def _call(self, method: str, request: Any) -> Any:
         try:
-            return getattr(self._stub, method)(request, timeout=self.timeout_s)
+            return getattr(self._stub, method)(request, timeout=self.timeout_s, metadata=self._metadata)
         except grpc.RpcError as exc:
             raise InferenceError.from_rpc(exc) from None
 
@@ -164,15 +168,17 @@ class AsyncClient:
     """asyncio client over one grpc.aio channel; the same calls as Client, awaited."""
 
     def __init__(self, url: str, model: str = DEFAULT_MODEL, timeout_s: float | None = 60.0,
-                 max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> None:
+                 max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, credentials: Credentials | None = None) -> None:
         self.model = model
         self.timeout_s = timeout_s
-        self._channel = grpc.aio.insecure_channel(url, options=_channel_options(max_message_bytes))
+        self.credentials = credentials or PLAINTEXT
+        self._metadata = self.credentials.metadata()
+        self._channel = self.credentials.channel(url, _channel_options(max_message_bytes), aio=True)
         self._stub = pb_grpc.GRPCInferenceServiceStub(self._channel)
 
     async def _call(self, method: str, request: Any) -> Any:
         try:
-            return await getattr(self._stub, method)(request, timeout=self.timeout_s)
+            return await getattr(self._stub, method)(request, timeout=self.timeout_s, metadata=self._metadata)
         except grpc.RpcError as exc:
             raise InferenceError.from_rpc(exc) from None
 

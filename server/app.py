@@ -10,6 +10,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from . import security
 from . import weights as weights_io
 from .codec import ModelSpec
 from .metrics import LATENCY_BUCKETS_S, Metrics, parse_buckets
@@ -40,8 +41,21 @@ class VoxServer:
         options = [
             ("grpc.max_receive_message_length", settings.max_message_bytes),
             ("grpc.max_send_message_length", settings.max_message_bytes),
+            # One connection cannot open more streams than the whole server may serve.
+            ("grpc.max_concurrent_streams", settings.max_concurrent_rpcs),
+            # Find dead peers (a vanished or stalled client) and free what their calls hold.
+            ("grpc.keepalive_time_ms", 60_000),
+            ("grpc.keepalive_timeout_ms", 20_000),
         ]
-        self.server = grpc.aio.server(options=options, maximum_concurrent_rpcs=settings.max_concurrent_rpcs)
+        interceptors = []
+        if settings.auth_token_file:
+            open_methods = security.HEALTH_METHODS if settings.open_health else frozenset()
+            interceptors.append(security.TokenAuthInterceptor(security.load_tokens(settings.auth_token_file),
+                                                              open_methods, self._count_rejection))
+        self._credentials = security.server_credentials(settings.tls_cert or None, settings.tls_key or None,
+                                                        settings.tls_client_ca or None)
+        self.server = grpc.aio.server(options=options, maximum_concurrent_rpcs=settings.max_concurrent_rpcs,
+                                      interceptors=interceptors)
         self.shm = SharedMemoryRegistry(settings.max_shm_regions, settings.max_shm_bytes)
         self.service = InferenceService(self.state, self.metrics, settings.model_name, settings.model_version,
                                         self.shm)
@@ -56,18 +70,35 @@ class VoxServer:
         self._ready = asyncio.Event()
         self._load_task: asyncio.Task[None] | None = None
         self.load_error: BaseException | None = None
+        self._weights: weights_io.Weights | None = None
+        self._lost_task: asyncio.Task[None] | None = None
+
+    def _count_rejection(self, method: str) -> None:
+        if method.endswith(("/ModelInfer", "/ModelStreamInfer")):
+            self.metrics.requests.labels(self.settings.model_name, grpc.StatusCode.UNAUTHENTICATED.name).inc()
 
     async def start(self) -> int:
-        """Bind the ports, start serving (not ready yet) and begin loading the model."""
+        """Read the weights, bind the ports, start serving (not ready yet) and begin building the model.
+
+        A weights file that cannot be used raises WeightsError here, before any port is open.
+        """
         s = self.settings
-        self.port = self.server.add_insecure_port(f"{s.host}:{s.grpc_port}")
+        self._weights = await asyncio.to_thread(
+            lambda: weights_io.load(s.weights) if s.weights else weights_io.default_weights())
+        address = f"{s.host}:{s.grpc_port}"
+        if self._credentials is not None:
+            self.port = self.server.add_secure_port(address, self._credentials)
+        else:
+            self.port = self.server.add_insecure_port(address)
         if self.port == 0:
             raise OSError(f"could not bind gRPC to {s.host}:{s.grpc_port}")
         if s.metrics_port >= 0:
             self.metrics_port = self.metrics.serve_http(s.host, s.metrics_port)
         await self._set_serving(False)
         await self.server.start()
-        log.info("listening: gRPC %s:%d, metrics %s", s.host, self.port,
+        log.info("listening: gRPC%s %s:%d%s, metrics %s", " (mutual TLS)" if s.tls_client_ca else
+                 " (TLS)" if self._credentials else "", s.host, self.port,
+                 ", bearer token required" if s.auth_token_file else "",
                  f"{s.host}:{self.metrics_port}" if self.metrics_port >= 0 else "off")
         self._load_task = asyncio.create_task(self._load())
         return self.port
@@ -77,9 +108,11 @@ class VoxServer:
         try:
             model = await asyncio.to_thread(self._build_model)
             self.state.spec = ModelSpec(s.model_name, s.model_version, model.cin, model.cout, model.k,
-                                        s.max_request_samples)
+                                        s.max_request_samples, s.max_request_voxels)
             batching = BatchingConfig(s.batching, s.max_queue_delay_ms / 1e3, s.max_queue_size)
-            self.state.runner = Runner(model, self.state.stats, self.metrics, batching)
+            loop = asyncio.get_running_loop()
+            self.state.runner = Runner(model, self.state.stats, self.metrics, batching,
+                                       lambda reason: loop.call_soon_threadsafe(self._device_lost, reason))
             self.state.device, self.state.kernel = str(model.device), model.kernel
             self.metrics.set_build(str(model.device), model.kernel)
             if not self.state.draining:
@@ -95,13 +128,19 @@ class VoxServer:
 
     def _build_model(self) -> Model:
         s = self.settings
-        weights = weights_io.load(s.weights) if s.weights else weights_io.default_weights()
+        weights = self._weights
+        assert weights is not None, "start() reads the weights first"
         log.info("weights: %s (Cout=%d, Cin=%d, k=%d)", weights.source, weights.cout, weights.cin, weights.k)
         device, kernel = select_device(s.device)
         model = Model(weights, device, kernel, s.max_batch)
         err = model.warm_up()
         log.info("warm-up on %s matched the float64 reference (relative error %.1e)", device, err)
         return model
+
+    def _device_lost(self, reason: str) -> None:
+        """The device failed beyond repair: stop reporting ready so the orchestrator replaces this replica."""
+        self.state.ready = False
+        self._lost_task = asyncio.create_task(self._set_serving(False))
 
     async def wait_ready(self) -> bool:
         """Wait for start-up to finish; True when the model is ready, False if start-up failed."""
@@ -142,7 +181,11 @@ class VoxServer:
         stop = asyncio.Event()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
-        await self.start()
+        try:
+            await self.start()
+        except weights_io.WeightsError as exc:
+            log.error("start-up failed: %s", exc)
+            return 1
         ready_task = asyncio.create_task(self.wait_ready())
         stop_task = asyncio.create_task(stop.wait())
         await asyncio.wait({ready_task, stop_task}, return_when=asyncio.FIRST_COMPLETED)
@@ -160,6 +203,11 @@ def serve(settings: Settings) -> int:
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
     async def main() -> int:
-        return await VoxServer(settings).run()
+        try:
+            server = VoxServer(settings)
+        except security.SecurityConfigError as exc:
+            log.error("start-up failed: %s", exc)
+            return 1
+        return await server.run()
 
     return asyncio.run(main())

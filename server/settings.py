@@ -31,10 +31,16 @@ class Settings:
     max_shm_regions: int = 64
     max_shm_bytes: int = 8 * 1024 * MiB
     max_request_samples: int = 1024
+    max_request_voxels: int = 1 << 25
     max_concurrent_rpcs: int = 256
     grace_period_s: float = 30.0
     log_level: str = "INFO"
     latency_buckets_s: str = ""  # empty: the defaults in server/metrics.py
+    tls_cert: str = ""
+    tls_key: str = ""
+    tls_client_ca: str = ""
+    auth_token_file: str = ""
+    open_health: bool = False
 
 
 # flag name, field, type, help. The environment twin is VOXSERVE_<FIELD upper-cased>.
@@ -65,6 +71,9 @@ _FLAGS: Sequence[tuple[str, str, Any, str]] = (
     ("--max-shm-bytes", "max_shm_bytes", int, "most bytes of shared memory mapped across all regions"),
     ("--max-request-samples", "max_request_samples", int,
      "most samples one request may carry (RESOURCE_EXHAUSTED above it)"),
+    ("--max-request-voxels", "max_request_voxels", int,
+     "most input voxels (N x D x H x W) one request may carry, over the wire or in shared memory "
+     "(RESOURCE_EXHAUSTED above it; default: 16 reference batches)"),
     ("--max-concurrent-rpcs", "max_concurrent_rpcs", int,
      "most RPCs served at once; further ones are refused with RESOURCE_EXHAUSTED"),
     ("--grace-period-s", "grace_period_s", float,
@@ -72,6 +81,16 @@ _FLAGS: Sequence[tuple[str, str, Any, str]] = (
     ("--log-level", "log_level", str, "DEBUG, INFO, WARNING or ERROR"),
     ("--latency-buckets-s", "latency_buckets_s", str,
      "comma-separated histogram bucket bounds in seconds for the latency metrics (empty: 100 us .. 30 s)"),
+    ("--tls-cert", "tls_cert", str, "PEM certificate chain: serve gRPC over TLS (with --tls-key)"),
+    ("--tls-key", "tls_key", str, "PEM private key of --tls-cert"),
+    ("--tls-client-ca", "tls_client_ca", str,
+     "PEM CA bundle: mutual TLS, every client must present a certificate it signed"),
+    ("--auth-token-file", "auth_token_file", str,
+     "file of accepted bearer tokens, one per line: every RPC must send 'authorization: Bearer <token>' "
+     "(UNAUTHENTICATED otherwise)"),
+    ("--open-health", "open_health", "bool",
+     "with --auth-token-file: let liveness/readiness RPCs (grpc.health.v1, ServerLive/Ready, ModelReady) "
+     "through without a token, for orchestrator probes"),
 )  # fmt: skip
 
 
@@ -137,6 +156,7 @@ def validate(s: Settings) -> None:
     need(s.max_shm_regions >= 0, "--max-shm-regions", s.max_shm_regions, "must be >= 0")
     need(s.max_shm_bytes >= 0, "--max-shm-bytes", s.max_shm_bytes, "must be >= 0")
     need(s.max_request_samples >= 1, "--max-request-samples", s.max_request_samples, "must be >= 1")
+    need(s.max_request_voxels >= 1, "--max-request-voxels", s.max_request_voxels, "must be >= 1")
     need(s.max_concurrent_rpcs >= 1, "--max-concurrent-rpcs", s.max_concurrent_rpcs, "must be >= 1")
     need(s.grace_period_s >= 0, "--grace-period-s", s.grace_period_s, "must be >= 0")
     if s.latency_buckets_s:

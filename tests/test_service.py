@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import socket
 
 import grpc
 import numpy as np
@@ -14,7 +15,10 @@ from voxserve.client import AsyncClient, Client, InferenceError, build_request
 from voxserve.datatypes import bf16_bits_to_float32, float32_to_bf16_bits
 from voxserve.kernels import reference_float64, reference_weights
 from voxserve.proto import pb, pb_grpc
+from voxserve.server.app import VoxServer
 from voxserve.server.model import relative_error
+from voxserve.server.settings import Settings
+from voxserve.server.weights import WeightsError
 
 from .conftest import running_server
 
@@ -179,14 +183,24 @@ def test_weights_file_and_custom_shape(tmp_path, rng):
         assert relative_error(torch.from_numpy(y), reference_float64(torch.from_numpy(x), w, b)) <= FP32_TOL
 
 
-def test_not_ready_until_loaded_and_failed_start_stays_unready(tmp_path):
-    bad = tmp_path / "bad.safetensors"
-    bad.write_bytes(b"not a safetensors file")
-    with running_server(weights=str(bad)) as srv:
-        assert not srv.wait_ready()
-        assert "not a readable safetensors file" in str(srv.server.load_error)
-        with Client(srv.url) as c:
-            assert c.is_live() and not c.is_ready()
-            with pytest.raises(InferenceError) as err:
-                c.infer(np.zeros((1, 3, 3, 3, 3), np.float32))
-        assert err.value.code == grpc.StatusCode.UNAVAILABLE
+@pytest.mark.parametrize(("content", "message"), [
+    (b"not a safetensors file", "not a readable safetensors file"),
+    (b"\x10\x00\x00\x00\x00\x00\x00\x00{\"a\":", "not a readable safetensors file"),  # truncated header
+    (None, "does not exist"),
+])
+def test_unusable_weights_stop_start_up_before_any_port_opens(tmp_path, content, message):
+    path = tmp_path / "w.safetensors"
+    if content is not None:
+        path.write_bytes(content)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    settings = Settings(host="127.0.0.1", grpc_port=port, metrics_port=-1, device="cpu", weights=str(path))
+
+    async def start() -> None:
+        await VoxServer(settings).start()
+
+    with pytest.raises(WeightsError, match=message):
+        asyncio.run(start())
+    with socket.socket() as s:  # never a half-ready server: nothing was listening
+        assert s.connect_ex(("127.0.0.1", port)) != 0

@@ -48,6 +48,23 @@ def _add_url(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model-name", default=os.environ.get("VOXSERVE_MODEL_NAME", "voxnet"),
                         help="model to address [env VOXSERVE_MODEL_NAME; default: %(default)s]")
     parser.add_argument("--timeout-s", type=float, default=60.0, help="per-call deadline in seconds")
+    env = os.environ
+    sec = parser.add_argument_group("security", "TLS, mutual TLS and bearer-token credentials")
+    sec.add_argument("--tls", action=argparse.BooleanOptionalAction,
+                     default=env.get("VOXSERVE_TLS", "").lower() in ("1", "true", "yes", "on"),
+                     help="connect with TLS, verifying the server against the system's roots or --tls-ca "
+                     "[env VOXSERVE_TLS]")
+    sec.add_argument("--tls-ca", metavar="CA.pem", default=env.get("VOXSERVE_TLS_CA") or None,
+                     help="PEM roots to verify the server's certificate (implies --tls) [env VOXSERVE_TLS_CA]")
+    sec.add_argument("--tls-cert", metavar="CERT.pem", default=env.get("VOXSERVE_TLS_CLIENT_CERT") or None,
+                     help="client certificate for mutual TLS [env VOXSERVE_TLS_CLIENT_CERT]")
+    sec.add_argument("--tls-key", metavar="KEY.pem", default=env.get("VOXSERVE_TLS_CLIENT_KEY") or None,
+                     help="private key of --tls-cert [env VOXSERVE_TLS_CLIENT_KEY]")
+    sec.add_argument("--tls-server-name", default=env.get("VOXSERVE_TLS_SERVER_NAME") or None,
+                     help="name to check in the server's certificate, if not the --url host "
+                     "[env VOXSERVE_TLS_SERVER_NAME]")
+    sec.add_argument("--auth-token-file", metavar="FILE", default=env.get("VOXSERVE_AUTH_TOKEN_FILE") or None,
+                     help="send the bearer token in FILE (its first line) [env VOXSERVE_AUTH_TOKEN_FILE]")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -120,10 +137,24 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _credentials(args: argparse.Namespace):
+    """Credentials from the security flags; exits 2 with the reason when a file is missing or unusable."""
+    from voxserve.client.security import Credentials
+
+    try:
+        return Credentials.from_files(tls=args.tls, ca_file=args.tls_ca, cert_file=args.tls_cert,
+                                      key_file=args.tls_key, token_file=args.auth_token_file,
+                                      server_name=args.tls_server_name)
+    except (OSError, ValueError) as exc:
+        print(f"voxserve {args.command}: {exc}", file=sys.stderr)
+        sys.exit(2)
+
+
 def _bench(args: argparse.Namespace) -> int:
     from voxserve.client.bench import main as bench_main
 
     args.dtype = CLI_DTYPES[args.dtype]
+    args.credentials = _credentials(args)
     return bench_main(args)
 
 
@@ -167,7 +198,7 @@ def _infer(args: argparse.Namespace) -> int:
         x = np.load(args.input, allow_pickle=False)
     else:
         x = np.random.default_rng(args.seed).standard_normal(args.random, dtype=np.float32)
-    with Client(args.url, model=args.model_name, timeout_s=args.timeout_s) as client:
+    with Client(args.url, model=args.model_name, timeout_s=args.timeout_s, credentials=_credentials(args)) as client:
         try:
             y = client.infer(x, datatype=CLI_DTYPES[args.dtype])
         except InferenceError as exc:
@@ -185,7 +216,7 @@ def _infer(args: argparse.Namespace) -> int:
 def _health(args: argparse.Namespace) -> int:
     from voxserve.client import Client
 
-    with Client(args.url, model=args.model_name, timeout_s=args.timeout_s) as client:
+    with Client(args.url, model=args.model_name, timeout_s=args.timeout_s, credentials=_credentials(args)) as client:
         ready = client.is_ready()
     print("ready" if ready else "not ready")
     return 0 if ready else 1
