@@ -50,6 +50,11 @@ class GraphCache:
     def __len__(self) -> int:
         return len(self._graphs)
 
+    def clear(self) -> None:
+        """Drop every graph and its buffers (after a device fault; shapes are captured again as they recur)."""
+        self._graphs.clear()
+        self._seen.clear()
+
     def lookup(self, x: torch.Tensor) -> GraphEntry | None:
         entry = self._graphs.get(self._key(x))
         if entry is not None:

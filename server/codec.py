@@ -33,6 +33,7 @@ class ModelSpec:
     cout: int
     k: int
     max_request_samples: int
+    max_request_voxels: int = 1 << 25
 
 
 @dataclass(frozen=True)
@@ -78,6 +79,10 @@ def _check_shape(spec: ModelSpec, shape: list[int]) -> tuple[int, ...]:
     if shape[0] > spec.max_request_samples:
         raise exhausted(f"input '{INPUT_NAME}' has N={shape[0]} samples; at most {spec.max_request_samples} "
                         f"are accepted per request (--max-request-samples)")
+    voxels = shape[0] * shape[2] * shape[3] * shape[4]  # Python ints: exact for any int64 the client sends
+    if voxels > spec.max_request_voxels:
+        raise exhausted(f"input '{INPUT_NAME}' shape {shape} holds {voxels} voxels (N x D x H x W); at most "
+                        f"{spec.max_request_voxels} are accepted per request (--max-request-voxels)")
     return tuple(int(d) for d in shape)
 
 

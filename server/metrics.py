@@ -91,6 +91,9 @@ class Metrics:
                                           buckets=latency_buckets_s, registry=r)
         self.batch_size = Histogram("voxserve_batch_size", "Samples per executed batch.", ["model"],
                                     buckets=BATCH_BUCKETS, registry=r)
+        self.execution_failures = Counter("voxserve_execution_failures",
+                                          "Executions that failed on the device, by reason (out_of_memory, "
+                                          "device_error).", ["model", "reason"], registry=r)
         self.samples = Counter("voxserve_samples", "Samples inferred successfully.", ["model"], registry=r)
         self.input_bytes = Counter("voxserve_input_bytes", "Input tensor bytes received.", ["model"], registry=r)
         self.inflight = Gauge("voxserve_inflight_requests", "Inference requests being served now.", ["model"],

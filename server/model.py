@@ -132,6 +132,26 @@ class Model:
             self._graphs.note(xd)
         return y, ExecutionTimes(t1 - t0, t2 - t1, t3 - t2)
 
+    def recover(self) -> str | None:
+        """After a failed execution: free cached memory and graphs, then check the device still works.
+
+        Returns None when the device is usable again, else why not (a sticky CUDA error, such as an
+        illegal address, poisons the process's context: only a restart clears it).
+        """
+        if self.device.type != "cuda":
+            return None
+        try:
+            if self._graphs is not None:
+                self._graphs.clear()
+            torch.cuda.synchronize(self.device)
+            torch.cuda.empty_cache()
+            probe = torch.ones(4, device=self.device) * 2  # an allocation and a kernel must work again
+            if float(probe.sum()) != 8.0:
+                return "a probe computation on the device gave a wrong answer"
+        except Exception as exc:
+            return f"{type(exc).__name__}: {exc}"
+        return None
+
     def warm_up(self, seed: int | None = None) -> float:
         """Run fresh random inputs through the serving path and compare with float64.
 

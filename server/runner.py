@@ -3,15 +3,28 @@ blocks on compute and concurrent small requests share executions."""
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
+import grpc
 import numpy as np
+import torch
 
 from .batching import BatchResult, DynamicBatcher
+from .errors import ServingError
 from .metrics import Metrics
 from .model import Model, wire_to_tensor
 from .stats import ModelStats
+
+log = logging.getLogger(__name__)
+
+
+def is_out_of_memory(exc: BaseException) -> bool:
+    """torch's OutOfMemoryError (CUDA), Python's MemoryError, or the CPU allocator's RuntimeError."""
+    return isinstance(exc, (torch.OutOfMemoryError, MemoryError)) or (
+        isinstance(exc, RuntimeError) and ("out of memory" in str(exc) or "can't allocate memory" in str(exc)))
 
 
 @dataclass(frozen=True)
@@ -22,8 +35,11 @@ class BatchingConfig:
 
 
 class Runner:
-    def __init__(self, model: Model, stats: ModelStats, metrics: Metrics, batching: BatchingConfig) -> None:
+    def __init__(self, model: Model, stats: ModelStats, metrics: Metrics, batching: BatchingConfig,
+                 on_device_lost: Callable[[str], None] | None = None) -> None:
         self.model = model
+        self.device_lost: str | None = None  # set when the device cannot be used again in this process
+        self._on_device_lost = on_device_lost or (lambda reason: None)
         self._stats = stats
         self._metrics = metrics
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"runner-{model.device}")
@@ -44,13 +60,43 @@ class Runner:
         step = self.model.max_batch
         parts = []
         for i in range(0, x.shape[0], step):
-            y, times = self.model.run_tensor(x[i : i + step])
+            if self.device_lost is not None:
+                raise self.lost_error()
+            try:
+                y, times = self.model.run_tensor(x[i : i + step])
+            except Exception as exc:
+                raise self._fault(exc, tuple(x[i : i + step].shape)) from None
             size = int(y.shape[0])
             self._stats.record_execution(size, times.input_ns, times.infer_ns, times.output_ns)
             self._metrics.compute_duration.labels(self._metrics.model).observe(times.infer_ns / 1e9)
             self._metrics.batch_size.labels(self._metrics.model).observe(size)
             parts.append(y.numpy())
         return parts[0] if len(parts) == 1 else np.concatenate(parts)
+
+    def lost_error(self) -> ServingError:
+        return ServingError(grpc.StatusCode.UNAVAILABLE, f"{self.model.device} failed ({self.device_lost}); this "
+                            f"replica must be restarted, retry on another")
+
+    def _fault(self, exc: Exception, shape: tuple[int, ...]) -> ServingError:
+        """Count a failed execution, restore the device for the next one, and say what the client gets."""
+        oom = is_out_of_memory(exc)
+        reason = "out_of_memory" if oom else "device_error"
+        self._metrics.execution_failures.labels(self._metrics.model, reason).inc()
+        log.error("execution of %s on %s failed: %s: %s", list(shape), self.model.device, type(exc).__name__,
+                  str(exc).splitlines()[0] if str(exc) else "")
+        problem = self.model.recover()
+        if problem is not None:
+            self.device_lost = problem
+            log.critical("%s cannot be used any more (%s): reporting not ready", self.model.device, problem)
+            self._on_device_lost(problem)
+            return ServingError(grpc.StatusCode.UNAVAILABLE, f"execution on {self.model.device} failed and the "
+                                f"device cannot recover ({problem}); retry on another replica")
+        if oom:
+            return ServingError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                f"{self.model.device} ran out of memory executing {shape[0]} samples of "
+                                f"{list(shape[1:])}; retry later or with fewer samples")
+        return ServingError(grpc.StatusCode.INTERNAL, f"execution on {self.model.device} failed "
+                            f"({type(exc).__name__}); the server recovered and serves further requests")
 
     async def close(self) -> None:
         await self.batcher.close()

@@ -232,6 +232,8 @@ class InferenceService:
             spec, runner = self.state.spec, self.state.runner
             if self.state.draining:
                 raise unavailable(f"model '{self.model_name}' is shutting down; retry on another replica")
+            if runner is not None and runner.device_lost is not None:
+                raise runner.lost_error()
             if not self.state.ready or spec is None or runner is None:
                 codec.check_model(self.model_name, self.model_version, request.model_name, request.model_version)
                 raise unavailable(f"model '{self.model_name}' is not ready yet (loading or warming up)")
