@@ -160,20 +160,23 @@ class VoxServer:
         self.state.ready = False
         await self._set_serving(False)
         await self.health.enter_graceful_shutdown()
-        log.info("draining: up to %.1f s for %d in-flight requests", grace_s, self.state.inflight)
+        log.info("draining: up to %.1f s for %d accepted requests", grace_s, self.state.accepted)
         # While requests are in flight the server stays open, so that new ones are answered
         # UNAVAILABLE by the servicer (retry elsewhere) instead of being cut off by the transport.
         loop = asyncio.get_running_loop()
         deadline = loop.time() + grace_s
-        while self.state.inflight > 0 and loop.time() < deadline:
+        while self.state.accepted > 0 and loop.time() < deadline:
             await asyncio.sleep(0.01)
+        abandoned = self.state.accepted
         await self.server.stop(max(0.0, deadline - loop.time()))
         if self._load_task is not None and not self._load_task.done():
             self._load_task.cancel()
         if self.state.runner is not None:
             await self.state.runner.close()
         self.shm.close()
-        log.info("stopped")
+        stats = self.state.stats.snapshot()
+        log.info("stopped: %d requests admitted, %d answered OK, %d abandoned at the end of the grace period",
+                 self.state.admitted_total, stats.success.count, abandoned)
 
     async def run(self) -> int:
         """Serve until SIGTERM or SIGINT, then drain. Returns the process exit code."""

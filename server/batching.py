@@ -67,10 +67,17 @@ class DynamicBatcher:
         """Requests waiting (not yet executing)."""
         return self._queued
 
+    @property
+    def full(self) -> bool:
+        return self._queued >= self.max_queue
+
+    def full_message(self) -> str:
+        return f"the queue holds {self._queued} requests, its limit (--max-queue-size {self.max_queue})"
+
     async def submit(self, array: np.ndarray, datatype: str, timeout_s: float | None = None) -> BatchResult:
         """Queue one request's (N, Cin, D, H, W) array; QueueFull at once when the queue is full."""
-        if self._queued >= self.max_queue:
-            raise QueueFull(f"the queue holds {self._queued} requests, its limit (--max-queue-size {self.max_queue})")
+        if self.full:
+            raise QueueFull(self.full_message())
         loop = asyncio.get_running_loop()
         if self._task is None:
             self._task = loop.create_task(self._loop())

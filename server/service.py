@@ -43,6 +43,8 @@ class ServingState:
     ready: bool = False
     draining: bool = False
     inflight: int = 0  # inference requests inside the servicer now
+    accepted: int = 0  # of those, the ones admitted for work (past the shutdown check): a drain waits for these
+    admitted_total: int = 0  # every request ever admitted (the drain's closing log line accounts for them)
     stats: ModelStats = field(default_factory=ModelStats)
 
 
@@ -225,6 +227,7 @@ class InferenceService:
         m, model = self.metrics, self.metrics.model
         m.inflight.labels(model).inc()
         self.state.inflight += 1
+        admitted = False
         code = grpc.StatusCode.OK
         try:
             if isinstance(request, MalformedRequest):
@@ -232,11 +235,17 @@ class InferenceService:
             spec, runner = self.state.spec, self.state.runner
             if self.state.draining:
                 raise unavailable(f"model '{self.model_name}' is shutting down; retry on another replica")
+            self.state.accepted += 1  # no await since the check above: a drain cannot start in between
+            self.state.admitted_total += 1
+            admitted = True
             if runner is not None and runner.device_lost is not None:
                 raise runner.lost_error()
             if not self.state.ready or spec is None or runner is None:
                 codec.check_model(self.model_name, self.model_version, request.model_name, request.model_version)
                 raise unavailable(f"model '{self.model_name}' is not ready yet (loading or warming up)")
+            if runner.batcher.full:  # refuse before decoding: overload must cost as little as possible
+                raise unavailable(f"model '{self.model_name}' is overloaded: {runner.batcher.full_message()}; "
+                                  f"retry later")
             decoded = codec.decode_request(request, spec, self.shm)
             m.input_bytes.labels(model).inc(decoded.array.nbytes)
             try:
@@ -265,6 +274,8 @@ class InferenceService:
             raise ServingError(grpc.StatusCode.INTERNAL, "inference failed inside the server; see its log") from None
         finally:
             self.state.inflight -= 1
+            if admitted:
+                self.state.accepted -= 1
             m.inflight.labels(model).dec()
             m.requests.labels(model, code.name).inc()
             m.request_duration.labels(model).observe((time.perf_counter_ns() - arrived) / 1e9)
