@@ -99,7 +99,7 @@ def render(args, fuzz: list[dict], ov: dict | None, drains: list[dict], elapsed_
         f"- date: {now}; machine: {platform.node() or 'unknown'}, {os.cpu_count()} CPUs, "
         f"{platform.python_implementation()} {platform.python_version()}; server on the CPU in a child process, "
         "load generator on the same machine",
-        f"- command: `python bench/reliability.py {shlex.join(sys.argv[1:])}`",
+        f"- command: `{shlex.join(["python", "bench/reliability.py", *sys.argv[1:]])}`",
         f"- total time: {elapsed_s:.0f} s",
         "",
         "## Fuzzing ModelInfer",
