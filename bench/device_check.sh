@@ -17,6 +17,7 @@ if ! python3 -m pip install -q --no-index --no-build-isolation --no-deps -e . 2>
   mkdir -p /tmp/pkg/voxserve
   for f in voxserve/*.py; do ln -sf "$PWD/$f" /tmp/pkg/voxserve/; done
   for d in proto server kernels client; do ln -sfn "$PWD/$d" /tmp/pkg/voxserve/$d; done
+  ln -sfn "$PWD/voxserve/testing" /tmp/pkg/voxserve/testing
   export PYTHONPATH=/tmp/pkg${PYTHONPATH:+:$PYTHONPATH}
 fi
 python3 -c "import voxserve.server.app, voxserve.kernels; print('voxserve imports ok')" || exit 1
@@ -28,7 +29,8 @@ t = time.time(); r = cuda.build(force=True); print(f"cold build {time.time() - t
 t = time.time(); r = cuda.build(); print(f"warm build {time.time() - t:.2f} s")
 print("\n".join(l for l in r.ptxas_report.splitlines() if "registers" in l or "spill" in l or "Compiling" in l))
 PY
-timeout 420 python3 -m pytest -q -rs -x tests/test_kernel_gpu.py tests/test_service.py tests/test_reference.py 2>&1 | tee "$OUT/pytest-gpu.txt" | tail -15
+timeout 420 python3 -m pytest -q -rs tests/test_kernel_gpu.py tests/test_pipeline_gpu.py tests/test_service.py \
+  tests/test_reference.py tests/test_batching.py tests/test_faults.py 2>&1 | tee "$OUT/pytest-gpu.txt" | tail -15
 if [ "${SKIP_SANITIZER:-0}" != 1 ]; then
   timeout 240 compute-sanitizer --tool memcheck --print-limit 20 python3 bench/sanitize_cases.py > "$OUT/memcheck.txt" 2>&1
   echo "memcheck rc=$?"; tail -4 "$OUT/memcheck.txt"

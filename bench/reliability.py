@@ -93,13 +93,14 @@ def _codes(load) -> str:
 
 def render(args, fuzz: list[dict], ov: dict | None, drains: list[dict], elapsed_s: float) -> str:
     now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    command = shlex.join(["python", "bench/reliability.py", *sys.argv[1:]])
     lines = [
         "# Reliability report",
         "",
         f"- date: {now}; machine: {platform.node() or 'unknown'}, {os.cpu_count()} CPUs, "
         f"{platform.python_implementation()} {platform.python_version()}; server on the CPU in a child process, "
         "load generator on the same machine",
-        f"- command: `{shlex.join(["python", "bench/reliability.py", *sys.argv[1:]])}`",
+        f"- command: `{command}`",
         f"- total time: {elapsed_s:.0f} s",
         "",
         "## Fuzzing ModelInfer",

@@ -14,7 +14,7 @@ from . import security
 from . import weights as weights_io
 from .codec import ModelSpec
 from .metrics import LATENCY_BUCKETS_S, Metrics, parse_buckets
-from .model import Model, select_device
+from .model import Model, select_devices
 from .runner import BatchingConfig, Runner
 from .service import SERVICE_NAME, InferenceService, ServingState, add_to_server
 from .settings import Settings
@@ -106,36 +106,41 @@ class VoxServer:
     async def _load(self) -> None:
         s = self.settings
         try:
-            model = await asyncio.to_thread(self._build_model)
+            models = await asyncio.to_thread(self._build_models)
+            model = models[0]
             self.state.spec = ModelSpec(s.model_name, s.model_version, model.cin, model.cout, model.k,
                                         s.max_request_samples, s.max_request_voxels)
             batching = BatchingConfig(s.batching, s.max_queue_delay_ms / 1e3, s.max_queue_size)
             loop = asyncio.get_running_loop()
-            self.state.runner = Runner(model, self.state.stats, self.metrics, batching,
+            self.state.runner = Runner(models, self.state.stats, self.metrics, batching,
                                        lambda reason: loop.call_soon_threadsafe(self._device_lost, reason))
-            self.state.device, self.state.kernel = str(model.device), model.kernel
-            self.metrics.set_build(str(model.device), model.kernel)
+            devices = ",".join(str(m.device) for m in models)
+            self.state.device, self.state.kernel = devices, model.kernel
+            self.metrics.set_build(devices, model.kernel)
             if not self.state.draining:
                 self.state.ready = True
                 await self._set_serving(True)
                 log.info("ready: model '%s' v%s (Cin=%d, Cout=%d, k=%d) on %s with %s", s.model_name,
-                         s.model_version, model.cin, model.cout, model.k, model.device, model.kernel)
+                         s.model_version, model.cin, model.cout, model.k, devices, model.kernel)
         except Exception as exc:
             self.load_error = exc
             log.error("start-up failed: %s", exc)
         finally:
             self._ready.set()
 
-    def _build_model(self) -> Model:
+    def _build_models(self) -> list[Model]:
+        """One model per serving device (--devices), each warmed up against float64 before it serves."""
         s = self.settings
         weights = self._weights
         assert weights is not None, "start() reads the weights first"
         log.info("weights: %s (Cout=%d, Cin=%d, k=%d)", weights.source, weights.cout, weights.cin, weights.k)
-        device, kernel = select_device(s.device)
-        model = Model(weights, device, kernel, s.max_batch)
-        err = model.warm_up()
-        log.info("warm-up on %s matched the float64 reference (relative error %.1e)", device, err)
-        return model
+        models = []
+        for device, kernel in select_devices(s.device, s.devices):
+            model = Model(weights, device, kernel, s.max_batch)
+            err = model.warm_up()
+            log.info("warm-up on %s matched the float64 reference (relative error %.1e)", device, err)
+            models.append(model)
+        return models
 
     def _device_lost(self, reason: str) -> None:
         """The device failed beyond repair: stop reporting ready so the orchestrator replaces this replica."""

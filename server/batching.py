@@ -2,8 +2,9 @@
 
 A bounded queue of requests, grouped by (Cin, D, H, W, datatype). One loop forms batches: it takes
 the group whose oldest request waited longest, waits up to ``max_delay_s`` (from that request's
-arrival) for ``max_batch`` samples to gather, and hands the batch to the executor thread. While a
-batch executes, new requests queue up, so under load batches grow by themselves. A request larger
+arrival) for ``max_batch`` samples to gather, and hands the batch (the requests' own arrays, not a
+copy) to the runner. While the runner is busy, new requests queue up, so under load batches grow by
+themselves. A request larger
 than ``max_batch`` runs alone (the runner splits it into executions of at most ``max_batch``).
 Expired requests are answered DeadlineExceeded without running; cancelled ones are dropped.
 No gRPC here: the service maps the exceptions to status codes.
@@ -15,8 +16,7 @@ import asyncio
 import contextlib
 import time
 from collections import OrderedDict, deque
-from collections.abc import Callable
-from concurrent.futures import Executor
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -50,11 +50,17 @@ class BatchResult:
 
 
 class DynamicBatcher:
-    def __init__(self, execute: Callable[[np.ndarray, str], np.ndarray], executor: Executor, *, max_batch: int,
-                 max_delay_s: float, max_queue: int, enabled: bool = True,
+    """``execute(arrays, datatype)`` runs one batch (a list of request arrays with equal sample shapes) and
+    returns its output rows in order; up to ``max_inflight`` batches run at once (a pipelined device takes
+    the next batch while one computes). A batch is formed only when it can start, so under load it
+    gathers everything that queued meanwhile."""
+
+    def __init__(self, execute: Callable[[list[np.ndarray], str], Awaitable[np.ndarray]], *, max_batch: int,
+                 max_delay_s: float, max_queue: int, enabled: bool = True, max_inflight: int = 1,
                  on_depth: Callable[[int], None] | None = None) -> None:
         self._execute = execute
-        self._executor = executor
+        self._slots = asyncio.Semaphore(max_inflight)
+        self._running: set[asyncio.Task] = set()
         self.max_batch, self.max_delay_s, self.max_queue, self.enabled = max_batch, max_delay_s, max_queue, enabled
         self._on_depth = on_depth or (lambda depth: None)
         self._groups: OrderedDict[tuple, deque[_Item]] = OrderedDict()
@@ -138,9 +144,11 @@ class DynamicBatcher:
                 self._wake.clear()
                 await self._wake.wait()
                 continue
+            await self._slots.acquire()  # form the batch only when it can start
             if self.enabled and self.max_delay_s > 0:
                 await self._gather(key)
             if key not in self._groups:
+                self._slots.release()
                 continue
             items = self._take(key)
             now = loop.time()
@@ -150,28 +158,35 @@ class DynamicBatcher:
                     item.future.set_exception(DeadlineExceeded("the request's deadline passed while it was queued"))
                 else:
                     runnable.append(item)
-            if runnable:
-                await self._run(key[1], runnable)
+            if not runnable:
+                self._slots.release()
+                continue
+            task = loop.create_task(self._run(key[1], runnable))
+            self._running.add(task)
+            task.add_done_callback(self._running.discard)
 
     async def _run(self, datatype: str, items: list[_Item]) -> None:
         started = time.perf_counter_ns()
-        # One request runs from its own buffer; several are concatenated (the one copy batching costs).
-        batch = items[0].array if len(items) == 1 else np.concatenate([i.array for i in items])
         try:
-            output = await asyncio.get_running_loop().run_in_executor(self._executor, self._execute, batch, datatype)
+            output = await self._execute([i.array for i in items], datatype)
         except Exception as exc:
             for item in items:
                 if not item.future.done():
                     item.future.set_exception(exc)
             return
+        finally:
+            self._slots.release()
+        samples = sum(i.samples for i in items)
         offset = 0
         for item in items:
             rows = output[offset : offset + item.samples]
             offset += item.samples
             if not item.future.done():
-                item.future.set_result(BatchResult(rows, started - item.arrived_ns, batch.shape[0]))
+                item.future.set_result(BatchResult(rows, started - item.arrived_ns, samples))
 
     async def close(self) -> None:
+        if self._running:
+            await asyncio.gather(*self._running, return_exceptions=True)
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):

@@ -65,6 +65,23 @@ def select_device(requested: str) -> tuple[torch.device, str]:
     return device, "fused-cuda"
 
 
+def select_devices(device: str, devices: str = "") -> list[tuple[torch.device, str]]:
+    """--devices (all, or GPU indices '0,1') when given, else --device: the devices to serve on."""
+    if not devices:
+        return [select_device(device)]
+    if not torch.cuda.is_available():
+        raise RuntimeError(f"--devices {devices}: no CUDA device is visible to this process")
+    count = torch.cuda.device_count()
+    indices = list(range(count)) if devices == "all" else [int(i) for i in devices.split(",")]
+    missing = [i for i in indices if i >= count]
+    if missing:
+        raise RuntimeError(f"--devices {devices}: GPU(s) {missing} not visible; {count} CUDA device(s) visible")
+    chosen = [select_device(f"cuda:{i}") for i in indices]
+    if any(d.type != "cuda" for d, _ in chosen):  # the kernel cannot load: one CPU runner, as with --device
+        return [chosen[0]]
+    return chosen
+
+
 def wire_to_tensor(arr: np.ndarray, datatype: str) -> torch.Tensor:
     """A torch view of a wire-typed numpy array (BF16 arrives as uint16 bits); no copy."""
     with warnings.catch_warnings():
@@ -75,18 +92,37 @@ def wire_to_tensor(arr: np.ndarray, datatype: str) -> torch.Tensor:
         return torch.from_numpy(arr)
 
 
+def tensor_to_wire(x: torch.Tensor) -> tuple[np.ndarray, str]:
+    """The inverse of wire_to_tensor: a CPU tensor as a wire-typed numpy array (a view) and its datatype."""
+    x = x.contiguous()
+    if x.dtype == torch.bfloat16:
+        return x.view(torch.int16).numpy().view(np.uint16), "BF16"
+    if x.dtype == torch.float16:
+        return x.numpy(), "FP16"
+    return x.to(torch.float32).numpy(), "FP32"
+
+
 class Model:
-    """Weights resident on one device and the op that runs them."""
+    """Weights resident on one device and the op that runs them.
+
+    On a GPU every execution goes through a CudaPipeline (pinned staging, copy and compute streams);
+    on the CPU it runs in the calling thread.
+    """
 
     def __init__(self, weights: Weights, device: torch.device, kernel: str, max_batch: int) -> None:
         self.weights = weights
         self.device = device
         self.kernel = kernel
         self.max_batch = max_batch
-        self._weight = weights.weight.to(device)
-        self._bias = weights.bias.to(device)
+        self.weight_on_device = weights.weight.to(device)
+        self.bias_on_device = weights.bias.to(device)
         # Repeated small shapes replay a captured CUDA graph instead of re-launching.
-        self._graphs = GraphCache(self._weight, self._bias) if device.type == "cuda" else None
+        self.graphs = GraphCache(self.weight_on_device, self.bias_on_device) if device.type == "cuda" else None
+        self.pipeline = None
+        if device.type == "cuda":
+            from .pipeline import CudaPipeline
+
+            self.pipeline = CudaPipeline(self)
 
     @property
     def cin(self) -> int:
@@ -100,36 +136,41 @@ class Model:
     def k(self) -> int:
         return self.weights.k
 
-    def _sync(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+    def compute(self, x: torch.Tensor) -> torch.Tensor:
+        """The fused op on x (already on this device), on the current stream; graphs for repeated shapes."""
+        from .pipeline import compute_on
+
+        return compute_on(self, x)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """(N, Cin, D, H, W) on any device -> (N, Cout) float32 on the CPU, max_batch samples at a time."""
+        """(N, Cin, D, H, W) CPU tensor -> (N, Cout) float32 on the CPU, max_batch samples at a time."""
         parts = [self.run_tensor(x[i : i + self.max_batch])[0] for i in range(0, x.shape[0], self.max_batch)]
         return torch.cat(parts) if len(parts) > 1 else parts[0]
 
+    def run_arrays(self, arrays: list[np.ndarray], datatype: str) -> tuple[np.ndarray, ExecutionTimes]:
+        """One execution of wire-typed arrays of equal sample shape (at most max_batch samples together)."""
+        if self.pipeline is not None:
+            out, input_ns, infer_ns, output_ns = self.pipeline.wait(self.pipeline.submit(arrays, datatype))
+            return out, ExecutionTimes(input_ns, infer_ns, output_ns)
+        # On the CPU a single request runs on a view of its bytes; a batch costs one concatenation.
+        batch = arrays[0] if len(arrays) == 1 else np.concatenate(arrays)
+        y, times = self.run_tensor(wire_to_tensor(batch, datatype))
+        return y.numpy(), times
+
     def run_tensor(self, x: torch.Tensor) -> tuple[torch.Tensor, ExecutionTimes]:
-        """One execution: copy in, compute, copy out, each timed."""
+        """One execution of a CPU tensor, each phase timed; (N, Cout) float32 on the CPU."""
+        if self.pipeline is not None:
+            arr, datatype = tensor_to_wire(x)
+            y, times = self.run_arrays([arr], datatype)
+            return torch.from_numpy(y), times
         t0 = time.perf_counter_ns()
-        entry = self._graphs.lookup(x) if self._graphs is not None else None
-        if entry is not None:
-            entry.stage(x)
-        else:
-            xd = x.to(self.device)
-        self._sync()
+        xd = x.to(self.device)
         t1 = time.perf_counter_ns()
-        if entry is not None:
-            yd = entry.replay()
-        else:
-            with torch.inference_mode():
-                yd = kernels.fused_forward(xd, self._weight, self._bias)
-        self._sync()
+        with torch.inference_mode():
+            yd = kernels.fused_forward(xd, self.weight_on_device, self.bias_on_device)
         t2 = time.perf_counter_ns()
         y = yd.to("cpu")
         t3 = time.perf_counter_ns()
-        if entry is None and self._graphs is not None:
-            self._graphs.note(xd)
         return y, ExecutionTimes(t1 - t0, t2 - t1, t3 - t2)
 
     def recover(self) -> str | None:
@@ -141,8 +182,10 @@ class Model:
         if self.device.type != "cuda":
             return None
         try:
-            if self._graphs is not None:
-                self._graphs.clear()
+            if self.graphs is not None:
+                self.graphs.clear()
+            if self.pipeline is not None:
+                self.pipeline.reset()
             torch.cuda.synchronize(self.device)
             torch.cuda.empty_cache()
             probe = torch.ones(4, device=self.device) * 2  # an allocation and a kernel must work again

@@ -149,11 +149,12 @@ class InferenceService:
             config.input.add(name=codec.INPUT_NAME, data_type=config_pb.TYPE_FP32, dims=[spec.cin, -1, -1, -1])
             config.output.add(name=codec.OUTPUT_NAME, data_type=config_pb.TYPE_FP32, dims=[spec.cout])
             config.parameters["kernel_size"].string_value = str(spec.k)
-        kind = config_pb.ModelInstanceGroup.KIND_GPU if self.state.device.startswith("cuda") else \
-            config_pb.ModelInstanceGroup.KIND_CPU
-        group = config.instance_group.add(name=f"{self.model_name}_0", count=1, kind=kind)
-        if self.state.device.startswith("cuda"):
-            group.gpus.append(int(self.state.device.partition(":")[2] or 0))
+        devices = [d for d in self.state.device.split(",") if d]
+        gpu = bool(devices) and devices[0].startswith("cuda")
+        kind = config_pb.ModelInstanceGroup.KIND_GPU if gpu else config_pb.ModelInstanceGroup.KIND_CPU
+        group = config.instance_group.add(name=f"{self.model_name}_0", count=max(1, len(devices)), kind=kind)
+        if gpu:
+            group.gpus.extend(int(d.partition(":")[2] or 0) for d in devices)
         runner = self.state.runner
         if runner is not None and runner.batcher.enabled:
             config.dynamic_batching.max_queue_delay_microseconds = int(runner.batcher.max_delay_s * 1e6)

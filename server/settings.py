@@ -21,6 +21,7 @@ class Settings:
     grpc_port: int = 8001
     metrics_port: int = 8002
     device: str = "auto"
+    devices: str = ""
     model_name: str = "voxnet"
     model_version: str = "1"
     max_message_bytes: int = 128 * MiB
@@ -54,6 +55,9 @@ _FLAGS: Sequence[tuple[str, str, Any, str]] = (
     ("--metrics-port", "metrics_port", int, "Prometheus metrics port (HTTP /metrics); 0 picks a free one, -1 disables"),
     ("--device", "device", str,
      "auto (the first GPU if one is usable, else the CPU), cpu, cuda or cuda:N"),
+    ("--devices", "devices", str,
+     "serve on several GPUs: 'all' or indices like '0,1' (one runner each, batches go to the least busy); "
+     "overrides --device"),
     ("--model-name", "model_name", str, "the model's name in the protocol and in metric labels"),
     ("--model-version", "model_version", str, "the model's version string"),
     ("--max-message-bytes", "max_message_bytes", int,
@@ -146,6 +150,9 @@ def validate(s: Settings) -> None:
     need(s.device == "auto" or s.device == "cpu" or s.device == "cuda" or
          (s.device.startswith("cuda:") and s.device[5:].isdigit()),
          "--device", s.device, "must be auto, cpu, cuda or cuda:N")
+    need(s.devices in ("", "all") or all(p.isdigit() for p in s.devices.split(",")), "--devices", s.devices,
+         "must be 'all' or comma-separated GPU indices like 0,1")
+    need(not (s.devices and s.device == "cpu"), "--devices", s.devices, "cannot be combined with --device cpu")
     need(bool(s.model_name) and s.model_name.replace("_", "").replace("-", "").replace(".", "").isalnum(),
          "--model-name", s.model_name, "must be letters, digits, '_', '-' or '.'")
     need(1024 <= s.max_message_bytes <= 2**31 - 1, "--max-message-bytes", s.max_message_bytes,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -42,8 +43,12 @@ def _x(n: int, value: float, shape=(3, 4, 4, 4)) -> np.ndarray:
 async def _with_batcher(fn, **kwargs):
     model = FakeModel()
     with ThreadPoolExecutor(1) as pool:
+        async def execute(arrays, datatype):
+            batch = arrays[0] if len(arrays) == 1 else np.concatenate(arrays)
+            return await asyncio.get_running_loop().run_in_executor(pool, model, batch, datatype)
+
         options = {"max_batch": 8, "max_delay_s": 0.0, "max_queue": 64, **kwargs}
-        batcher = DynamicBatcher(model, pool, **options)
+        batcher = DynamicBatcher(execute, **options)
         try:
             return await fn(batcher, model)
         finally:
@@ -194,3 +199,69 @@ def test_server_full_queue_is_unavailable_with_the_limit():
     served = [r for r in results if isinstance(r, np.ndarray)]
     assert rejected and served and len(rejected) + len(served) == 6
     assert all(r.code == grpc.StatusCode.UNAVAILABLE and "--max-queue-size 1" in r.message for r in rejected)
+
+
+def test_split_executions_makes_views_in_order():
+    from voxserve.server.runner import split_executions
+
+    arrays = [np.arange(n * 2, dtype=np.float32).reshape(n, 2) + 100 * i for i, n in enumerate((3, 10, 1))]
+    executions = split_executions(arrays, 4)
+    assert [sum(a.shape[0] for a in ex) for ex in executions] == [4, 4, 4, 2]
+    flat = np.concatenate([a for ex in executions for a in ex])
+    assert np.array_equal(flat, np.concatenate(arrays))
+    for ex in executions:
+        for part in ex:
+            assert any(np.shares_memory(part, a) for a in arrays)  # a view of a request, never a copy
+
+
+def test_copies_of_request_bytes_on_the_cpu_path(monkeypatch):
+    """A single request runs on a view of its own bytes (no copy); a merged batch costs exactly one."""
+    from voxserve.server import codec
+
+    decoded_ptrs, executed = [], []
+    real_decode = codec.decode_request
+
+    def decode(*args, **kwargs):
+        d = real_decode(*args, **kwargs)
+        decoded_ptrs.append(d.array.__array_interface__["data"][0])
+        return d
+
+    monkeypatch.setattr(codec, "decode_request", decode)
+    with running_server(max_queue_delay_ms=0.0) as srv:
+        assert srv.wait_ready()
+        model = srv.server.state.runner.model
+        real_run = model.run_tensor
+        gate = threading.Event()
+        gate.set()
+
+        def run(x):
+            gate.wait(30)
+            executed.append((x.data_ptr(), int(x.shape[0]), x.is_contiguous()))
+            return real_run(x)
+
+        model.run_tensor = run
+        x = np.random.default_rng().standard_normal((2, 3, 5, 6, 7), dtype=np.float32)
+        from voxserve.client import Client
+
+        with Client(srv.url, timeout_s=30) as c:
+            c.infer(x)
+            assert executed[-1][0] == decoded_ptrs[-1] and executed[-1][1] == 2  # 0 copies
+            decoded_ptrs.clear()
+            executed.clear()
+            gate.clear()  # hold the runner: the next requests queue and merge
+            with ThreadPoolExecutor(4) as pool:
+                first = pool.submit(c.infer, x)
+                deadline = time.monotonic() + 10
+                while not decoded_ptrs and time.monotonic() < deadline:
+                    time.sleep(0.01)
+                time.sleep(0.2)
+                rest = [pool.submit(c.infer, x) for _ in range(3)]
+                deadline = time.monotonic() + 10
+                while len(decoded_ptrs) < 4 and time.monotonic() < deadline:
+                    time.sleep(0.01)
+                gate.set()
+                for f in [first, *rest]:
+                    assert f.result(30).shape == (2, 16)
+    merged = [e for e in executed if e[1] == 6]
+    assert merged, executed  # the three queued requests ran as one execution ...
+    assert merged[0][0] not in decoded_ptrs[1:] and merged[0][2]  # ... on one new contiguous buffer: 1 copy

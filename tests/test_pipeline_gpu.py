@@ -1,0 +1,142 @@
+"""The GPU data path: pinned staging, overlapping executions, CUDA-event timings, real out-of-memory recovery,
+and several GPUs. Skipped without a CUDA device (run on the device machine: bench/device_check.sh)."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    pytest.skip("no CUDA device visible", allow_module_level=True)
+
+from voxserve.client import Client, InferenceError
+from voxserve.kernels import reference_float64
+from voxserve.server.metrics import Metrics
+from voxserve.server.model import Model, relative_error, wire_to_tensor
+from voxserve.server.runner import BatchingConfig, Runner
+from voxserve.server.stats import ModelStats
+from voxserve.server.weights import default_weights
+
+from .conftest import running_server
+
+FP32_TOL = 1e-5
+WIRE = {"FP32": np.float32, "FP16": np.float16}
+
+
+def _model(device: str = "cuda:0", max_batch: int = 128) -> Model:
+    return Model(default_weights(), torch.device(device), "fused-cuda", max_batch)
+
+
+def _wire(x: np.ndarray, datatype: str) -> np.ndarray:
+    if datatype == "BF16":
+        return torch.from_numpy(x).to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
+    return x.astype(WIRE[datatype])
+
+
+def _ref(arr: np.ndarray, datatype: str, model: Model) -> torch.Tensor:
+    return reference_float64(wire_to_tensor(arr, datatype), model.weights.weight, model.weights.bias)
+
+
+@pytest.mark.parametrize("datatype", ["FP32", "FP16", "BF16"])
+def test_staged_execution_matches_float64_with_one_host_copy(datatype):
+    model = _model()
+    rng = np.random.default_rng()
+    arrays = [_wire(rng.standard_normal((n, 3, 9, 12, 10), dtype=np.float32), datatype) for n in (1, 3, 2)]
+    before = model.pipeline.staged_bytes
+    y, times = model.run_arrays(arrays, datatype)
+    assert model.pipeline.staged_bytes - before == sum(a.nbytes for a in arrays)  # copy 1, and only that
+    ref = _ref(np.concatenate(arrays), datatype, model)
+    assert relative_error(torch.from_numpy(y), ref) <= FP32_TOL
+    assert times.infer_ns > 0 and times.input_ns > 0 and times.output_ns >= 0
+
+
+def test_concurrent_batches_overlap_and_stay_correct():
+    model = _model(max_batch=16)
+    metrics = Metrics("voxnet", gpu_metrics=False)
+    runner = Runner(model, ModelStats(), metrics, BatchingConfig(True, 0.0, 4096))
+    inflight_seen = []
+    real_submit = model.pipeline.submit
+    lock = threading.Lock()
+
+    def submit(arrays, datatype):
+        with lock:
+            inflight_seen.append(runner.workers[0].inflight)
+        return real_submit(arrays, datatype)
+
+    model.pipeline.submit = submit
+    rng = np.random.default_rng()
+    shapes = [(n, 3, d, 17, 19) for n in (1, 5, 16, 40) for d in (3, 8)]
+    inputs = [rng.standard_normal(s, dtype=np.float32) for s in shapes for _ in range(6)]
+
+    async def main():
+        try:
+            return await asyncio.gather(*(runner.run(x, "FP32") for x in inputs))
+        finally:
+            await runner.close()
+
+    results = asyncio.run(main())
+    for x, r in zip(inputs, results, strict=True):
+        ref = _ref(x, "FP32", model)
+        assert relative_error(torch.from_numpy(np.ascontiguousarray(r.output)), ref) <= FP32_TOL
+    assert max(inflight_seen) >= 2, inflight_seen  # the next execution was staged while one ran
+    compute = metrics.registry.get_sample_value("voxserve_compute_duration_seconds_sum", {"model": "voxnet"})
+    assert compute is not None and compute > 0  # CUDA-event device time
+
+
+def test_real_out_of_memory_is_refused_and_recovered():
+    with running_server(device="cuda") as srv:
+        assert srv.wait_ready(), srv.server.load_error
+        x_big = np.random.default_rng().standard_normal((128, 3, 16, 32, 32), dtype=np.float32)  # 25 MB
+        x_small = x_big[:1].copy()
+        with Client(srv.url, timeout_s=60) as c:
+            assert c.infer(x_small).shape == (1, 16)
+            model = srv.server.state.runner.model
+            model.pipeline.reset()
+            torch.cuda.empty_cache()
+            total = torch.cuda.get_device_properties(0).total_memory
+            torch.cuda.set_per_process_memory_fraction((torch.cuda.memory_reserved() + (4 << 20)) / total)
+            try:
+                with pytest.raises(InferenceError) as err:
+                    c.infer(x_big)
+            finally:
+                torch.cuda.set_per_process_memory_fraction(1.0)
+            assert err.value.code.name == "RESOURCE_EXHAUSTED" and "ran out of memory" in err.value.message
+            y = c.infer(x_big)  # recovered: the same request now succeeds
+            ref = reference_float64(torch.from_numpy(x_big), model.weights.weight, model.weights.bias)
+            assert relative_error(torch.from_numpy(y), ref) <= FP32_TOL
+            assert c.is_ready()
+        failures = srv.server.metrics.registry.get_sample_value(
+            "voxserve_execution_failures_total", {"model": "voxnet", "reason": "out_of_memory"})
+        assert failures == 1
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_two_gpus_share_the_work():
+    models = [_model(f"cuda:{i}", max_batch=32) for i in range(2)]
+    runner = Runner(models, ModelStats(), Metrics("voxnet", gpu_metrics=False), BatchingConfig(True, 0.0, 4096))
+    used = []
+    for m in models:
+        real = m.pipeline.submit
+
+        def submit(arrays, datatype, real=real, device=m.device):
+            used.append(str(device))
+            return real(arrays, datatype)
+
+        m.pipeline.submit = submit
+    rng = np.random.default_rng()
+    inputs = [rng.standard_normal((32, 3, 16, 32, 32), dtype=np.float32) for _ in range(24)]
+
+    async def main():
+        try:
+            return await asyncio.gather(*(runner.run(x, "FP32") for x in inputs))
+        finally:
+            await runner.close()
+
+    results = asyncio.run(main())
+    for x, r in zip(inputs, results, strict=True):
+        assert relative_error(torch.from_numpy(np.ascontiguousarray(r.output)), _ref(x, "FP32", models[0])) <= FP32_TOL
+    assert {"cuda:0", "cuda:1"} <= set(used), used
