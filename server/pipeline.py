@@ -22,6 +22,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
+import warnings
 from dataclasses import dataclass
 
 import numpy as np
@@ -92,7 +93,9 @@ class CudaPipeline:
             t0 = time.perf_counter_ns()
             offset = 0
             for a in arrays:  # copy 1: into pinned memory (torch's copy is multi-threaded for large tensors)
-                src = torch.from_numpy(np.ascontiguousarray(a).reshape(-1).view(np.uint8))
+                with warnings.catch_warnings():  # request bytes are read-only; they are only read here
+                    warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+                    src = torch.from_numpy(np.ascontiguousarray(a).reshape(-1).view(np.uint8))
                 slot.host[offset : offset + a.nbytes].copy_(src)
                 offset += a.nbytes
             host_copy_ns = time.perf_counter_ns() - t0

@@ -175,7 +175,7 @@ def test_a_stalled_client_holds_bounded_memory_and_blocks_no_one():
         assert srv.server.state.inflight == 0
 
 
-def test_concurrent_rpc_limit_refuses_the_excess_and_serves_the_rest():
+def test_concurrent_rpc_limit_bounds_what_the_server_holds():
     with running_server(max_concurrent_rpcs=2, max_queue_delay_ms=0.0) as srv:
         assert srv.wait_ready()
         model = srv.server.state.runner.model
@@ -187,6 +187,17 @@ def test_concurrent_rpc_limit_refuses_the_excess_and_serves_the_rest():
             return real(x)
 
         model.run_tensor = slow
+        peak = []
+        stop = threading.Event()
+
+        def watch() -> None:
+            while not stop.is_set():
+                peak.append(srv.server.state.inflight)
+                time.sleep(0.002)
+
+        watcher = threading.Thread(target=watch)
+        watcher.start()
+
         def one() -> np.ndarray:
             with Client(srv.url, timeout_s=30) as c:  # a connection each: the server-wide limit is what counts
                 return c.infer(_x(1))
@@ -202,9 +213,13 @@ def test_concurrent_rpc_limit_refuses_the_excess_and_serves_the_rest():
                     codes.append(grpc.StatusCode.OK)
                 except InferenceError as exc:
                     codes.append(exc.code)
+        stop.set()
+        watcher.join()
+        # Never more than the limit inside the server; the excess is refused (RESOURCE_EXHAUSTED) or, with
+        # gRPC versions that hold streams beyond the limit, waits its turn: either way all are answered.
+        assert max(peak) <= 2, max(peak)
         assert codes.count(grpc.StatusCode.OK) >= 2
         assert set(codes) <= {grpc.StatusCode.OK, grpc.StatusCode.RESOURCE_EXHAUSTED}
-        assert grpc.StatusCode.RESOURCE_EXHAUSTED in codes
 
 
 def test_deadline_while_executing_frees_the_caller_and_the_server_goes_on():
