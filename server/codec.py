@@ -6,6 +6,7 @@ Input bytes are viewed, not copied: ``np.frombuffer`` over the request's bytes.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -109,9 +110,13 @@ def _shm_ref(parameters, what: str) -> SharedMemoryRef | None:
     return SharedMemoryRef(region.string_param, values.get(OFFSET_PARAM, 0), values.get(SIZE_PARAM))
 
 
-def decode_request(request: pb.ModelInferRequest, spec: ModelSpec, shm=None) -> InferInput:
+def decode_request(request: pb.ModelInferRequest, spec: ModelSpec, shm=None,
+                   raw_contents: Sequence[bytes | memoryview] | None = None) -> InferInput:
     """Validate ``request`` against the model and return its input as an array (a zero-copy view of
-    raw bytes; a private copy of shared memory). ``shm``: the SharedMemoryRegistry, if the server has one."""
+    raw bytes; a private copy of shared memory). ``shm``: the SharedMemoryRegistry, if the server has one.
+    ``raw_contents``: the raw tensor bytes when they were kept out of the message (server/wire.py)."""
+    if raw_contents is None:
+        raw_contents = request.raw_input_contents
     check_model(spec.name, spec.version, request.model_name, request.model_version)
     if len(request.inputs) != 1:
         names = [t.name for t in request.inputs]
@@ -148,7 +153,7 @@ def decode_request(request: pb.ModelInferRequest, spec: ModelSpec, shm=None) -> 
         output_shm = SharedMemoryRef(output_shm.region, output_shm.offset, needed)
 
     if input_shm is not None:
-        if request.raw_input_contents or typed:
+        if raw_contents or typed:
             raise invalid(f"input '{INPUT_NAME}' is in shared memory and must carry no other data")
         expected = elements * ITEMSIZE[datatype]
         if input_shm.byte_size != expected:
@@ -158,13 +163,13 @@ def decode_request(request: pb.ModelInferRequest, spec: ModelSpec, shm=None) -> 
         return InferInput(np.frombuffer(data, dtype=WIRE_DTYPE[datatype]).reshape(shape), datatype, False,
                           output_shm)
 
-    if request.raw_input_contents:
+    if raw_contents:
         if typed:
             raise invalid(f"input '{INPUT_NAME}' sets both raw_input_contents and contents.{typed[0]}; send one")
-        if len(request.raw_input_contents) != 1:
-            raise invalid(f"raw_input_contents has {len(request.raw_input_contents)} entries; expected 1, one per "
+        if len(raw_contents) != 1:
+            raise invalid(f"raw_input_contents has {len(raw_contents)} entries; expected 1, one per "
                           f"input")
-        raw = request.raw_input_contents[0]
+        raw = raw_contents[0]
         expected = elements * ITEMSIZE[datatype]
         if len(raw) != expected:
             raise invalid(f"input '{INPUT_NAME}' shape {list(shape)} of {datatype} needs {expected} bytes; "

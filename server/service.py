@@ -23,6 +23,7 @@ from .metrics import Metrics
 from .runner import Runner
 from .shm import SharedMemoryRegistry
 from .stats import Duration, ModelStats
+from .wire import InferRequest, parse_infer_request
 
 log = logging.getLogger(__name__)
 
@@ -61,9 +62,12 @@ class MalformedRequest:
 
 
 def _tolerant_parser(message_cls):
+    # Inference requests keep their tensor bytes as views of the received buffer (server/wire.py).
+    parse_fn = parse_infer_request if message_cls is pb.ModelInferRequest else message_cls.FromString
+
     def parse(data: bytes):
         try:
-            return message_cls.FromString(data)
+            return parse_fn(data)
         except DecodeError:
             return MalformedRequest(message_cls.DESCRIPTOR.full_name, len(data))
 
@@ -223,7 +227,8 @@ class InferenceService:
             except ServingError as exc:
                 yield pb.ModelStreamInferResponse(error_message=f"{exc.code.name}: {exc.message}")
 
-    async def _infer(self, request: pb.ModelInferRequest, timeout_s: float | None = None) -> pb.ModelInferResponse:
+    async def _infer(self, parsed: InferRequest | MalformedRequest,
+                     timeout_s: float | None = None) -> pb.ModelInferResponse:
         arrived = time.perf_counter_ns()
         m, model = self.metrics, self.metrics.model
         m.inflight.labels(model).inc()
@@ -231,8 +236,9 @@ class InferenceService:
         admitted = False
         code = grpc.StatusCode.OK
         try:
-            if isinstance(request, MalformedRequest):
-                raise request.error()
+            if isinstance(parsed, MalformedRequest):
+                raise parsed.error()
+            request = parsed.message
             spec, runner = self.state.spec, self.state.runner
             if self.state.draining:
                 raise unavailable(f"model '{self.model_name}' is shutting down; retry on another replica")
@@ -247,7 +253,7 @@ class InferenceService:
             if runner.batcher.full:  # refuse before decoding: overload must cost as little as possible
                 raise unavailable(f"model '{self.model_name}' is overloaded: {runner.batcher.full_message()}; "
                                   f"retry later")
-            decoded = codec.decode_request(request, spec, self.shm)
+            decoded = codec.decode_request(request, spec, self.shm, parsed.raw)
             m.input_bytes.labels(model).inc(decoded.array.nbytes)
             try:
                 result = await runner.run(decoded.array, decoded.datatype, timeout_s)

@@ -112,3 +112,48 @@ def test_coverage_guided_fuzzing_short_run():
                            "--no-report"], cwd=REPO, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "atheris: 3000 inputs" in proc.stdout, proc.stdout[-2000:]
+
+
+def _agrees_with_protobuf(data: bytes) -> None:
+    """The zero-copy parser accepts exactly what protobuf accepts, with the same content."""
+    from google.protobuf.message import DecodeError
+
+    from voxserve.server.wire import parse_infer_request
+
+    try:
+        expected = pb.ModelInferRequest.FromString(data)
+    except DecodeError:
+        expected = None
+    try:
+        parsed = parse_infer_request(data)
+    except DecodeError:
+        parsed = None
+    assert (parsed is None) == (expected is None)
+    if parsed is not None:
+        assert [bytes(v) for v in parsed.raw] == list(expected.raw_input_contents)
+        expected.ClearField("raw_input_contents")
+        assert parsed.message == expected
+
+
+@settings(max_examples=1500, deadline=None)
+@given(st.binary(max_size=512))
+def test_zero_copy_parser_agrees_with_protobuf_on_any_bytes(data):
+    _agrees_with_protobuf(data)
+
+
+def test_zero_copy_parser_agrees_with_protobuf_on_mutated_requests():
+    mutator = Mutator(seed_requests(), seed=int(np.random.SeedSequence().entropy % 2**32), byte_level=0.7)
+    for _ in range(20_000):
+        _agrees_with_protobuf(mutator.next())
+
+
+def test_zero_copy_parser_views_the_received_bytes():
+    from voxserve.client import build_request
+    from voxserve.server.wire import parse_infer_request
+
+    x = np.random.default_rng().standard_normal((4, 3, 5, 6, 7), dtype=np.float32)
+    data = build_request(x, "voxnet", "FP32", request_id="r1").SerializeToString()
+    parsed = parse_infer_request(data)
+    assert parsed.message.id == "r1" and list(parsed.message.inputs[0].shape) == [4, 3, 5, 6, 7]
+    assert parsed.raw[0].obj is data  # a view of gRPC's buffer, not a copy
+    assert np.array_equal(np.frombuffer(parsed.raw[0], np.float32).reshape(x.shape), x)

@@ -258,7 +258,7 @@ def decode_status(data: bytes, spec, shm=None) -> grpc.StatusCode:
     try:
         if isinstance(request, MalformedRequest):
             raise request.error()
-        codec.decode_request(request, spec, shm)
+        codec.decode_request(request.message, spec, shm, request.raw)
     except ServingError as exc:
         assert exc.message, "a refusal must say why"
         return exc.code

@@ -1,0 +1,102 @@
+"""Runner throughput on 1 GPU vs all visible GPUs (no gRPC: the runner's own ceiling), with each GPU's
+utilisation sampled from NVML meanwhile. Writes a markdown table to --out.
+
+    python bench/multi_gpu_probe.py --out bench/results/multi-gpu-<machine>.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from voxserve.server.metrics import Metrics
+from voxserve.server.model import Model
+from voxserve.server.runner import BatchingConfig, Runner
+from voxserve.server.stats import ModelStats
+from voxserve.server.weights import default_weights
+
+
+def _utilisation(stop: threading.Event, samples: dict[int, list[int]]) -> None:
+    import pynvml
+
+    pynvml.nvmlInit()
+    handles = {i: pynvml.nvmlDeviceGetHandleByIndex(i) for i in samples}
+    while not stop.is_set():
+        for i, h in handles.items():
+            samples[i].append(pynvml.nvmlDeviceGetUtilizationRates(h).gpu)
+        time.sleep(0.1)
+
+
+def measure(gpus: list[int], batch: int, concurrency: int, seconds: float) -> dict:
+    models = [Model(default_weights(), torch.device(f"cuda:{i}"), "fused-cuda", 128) for i in gpus]
+    for m in models:
+        m.warm_up()
+    runner = Runner(models, ModelStats(), Metrics("voxnet", gpu_metrics=False), BatchingConfig(True, 0.0, 4096))
+    rng = np.random.default_rng(0)
+    inputs = [rng.standard_normal((batch, 3, 16, 32, 32), dtype=np.float32) for _ in range(concurrency)]
+    util: dict[int, list[int]] = {i: [] for i in range(torch.cuda.device_count())}
+    stop = threading.Event()
+    sampler = threading.Thread(target=_utilisation, args=(stop, util))
+    done = 0
+
+    async def worker(x: np.ndarray, until: float) -> None:
+        nonlocal done
+        while time.perf_counter() < until:
+            await runner.run(x, "FP32")
+            done += 1
+
+    async def main() -> float:
+        await asyncio.gather(*(runner.run(x, "FP32") for x in inputs))  # warm: slots, graphs
+        sampler.start()
+        t0 = time.perf_counter()
+        await asyncio.gather(*(worker(x, t0 + seconds) for x in inputs))
+        elapsed = time.perf_counter() - t0
+        stop.set()
+        await runner.close()
+        return elapsed
+
+    elapsed = asyncio.run(main())
+    sampler.join()
+    return {"gpus": gpus, "samples_per_s": done * batch / elapsed,
+            "util": {i: (float(np.mean(v)) if v else float("nan")) for i, v in util.items()}}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--batch", type=int, default=128)
+    parser.add_argument("--concurrency", type=int, default=16)
+    parser.add_argument("--seconds", type=float, default=10.0)
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    count = torch.cuda.device_count()
+    rows = [measure([0], args.batch, args.concurrency, args.seconds)]
+    if count > 1:
+        rows.append(measure(list(range(count)), args.batch, args.concurrency, args.seconds))
+    name = torch.cuda.get_device_name(0)
+    lines = [f"# Runner throughput, 1 vs {count} GPUs ({name})", "",
+             f"- date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC",
+             f"- command: `python bench/multi_gpu_probe.py --batch {args.batch} --concurrency {args.concurrency} "
+             f"--seconds {args.seconds}`",
+             f"- requests of ({args.batch}, 3, 16, 32, 32) FP32 from host memory, {args.concurrency} outstanding; "
+             "the runner stages each through pinned memory and its GPU's copy/compute streams (no gRPC)", "",
+             "| GPUs | samples/s | scaling | mean utilisation per GPU (NVML) |", "|---|---:|---:|---|"]
+    base = rows[0]["samples_per_s"]
+    for r in rows:
+        util = ", ".join(f"gpu{i} {u:.0f} %" for i, u in r["util"].items())
+        lines.append(f"| {','.join(map(str, r['gpus']))} | {r['samples_per_s']:.0f} | "
+                     f"{r['samples_per_s'] / base:.2f}x | {util} |")
+    text = "\n".join(lines) + "\n"
+    print(text)
+    if args.out:
+        Path(args.out).write_text(text)
+
+
+if __name__ == "__main__":
+    main()
