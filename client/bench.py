@@ -11,11 +11,14 @@ Needs only grpcio, protobuf and numpy (matplotlib for --plot).
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import itertools
 import json
 import multiprocessing
 import os
 import sys
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 
 import grpc
@@ -144,6 +147,20 @@ def _sink_main(port_queue) -> None:
     asyncio.run(serve())
 
 
+@contextlib.contextmanager
+def raw_sink() -> Iterator[str]:
+    """A trivial ModelInfer sink in another process, for the raw gRPC ceiling; yields its address."""
+    ctx = multiprocessing.get_context("spawn")
+    port_queue = ctx.Queue()
+    sink = ctx.Process(target=_sink_main, args=(port_queue,), daemon=True)
+    sink.start()
+    try:
+        yield f"127.0.0.1:{port_queue.get(timeout=60)}"
+    finally:
+        sink.terminate()
+        sink.join(10)
+
+
 def format_table(results: list[LevelResult]) -> str:
     header = (f"{'target':<10} {'conc':>5} {'req/s':>9} {'samples/s':>10} {'MB/s':>8} {'p50 ms':>8} {'p90 ms':>8} "
               f"{'p99 ms':>8} {'errors':>6} {'srv queue ms':>12} {'srv compute ms':>14}")
@@ -179,6 +196,36 @@ def plot(results: list[LevelResult], path: str) -> None:
     fig.savefig(path, dpi=120)
 
 
+def setup_shared_memory(url: str, x: np.ndarray, datatype: str, model: str,
+                        credentials: Credentials = PLAINTEXT) -> tuple[bytes, Callable[[], None]]:
+    """Put ``x`` in a new /dev/shm segment, register it and an output region with the server, and return a
+    serialised request that references both (a few hundred bytes) and a function that undoes it all."""
+    wire = to_wire(x, datatype)
+    tag = f"voxbench_{os.getpid()}_{next(_shm_ids)}"
+    shm_in = SharedMemoryBuffer(f"{tag}_in", len(wire))
+    shm_out = SharedMemoryBuffer(f"{tag}_out", 4 * x.shape[0] * 1024)
+    shm_in.write(np.frombuffer(wire, np.uint8))
+    with Client(url, model=model, credentials=credentials) as c:
+        c.register_system_shared_memory(f"{tag}_in", shm_in.key, shm_in.size)
+        c.register_system_shared_memory(f"{tag}_out", shm_out.key, shm_out.size)
+    payload = build_shm_request(tuple(x.shape), model, datatype, f"{tag}_in",
+                                output_region=f"{tag}_out").SerializeToString()
+
+    def cleanup() -> None:
+        try:
+            with Client(url, model=model, credentials=credentials) as c:
+                for region in (f"{tag}_in", f"{tag}_out"):
+                    c.unregister_system_shared_memory(region)
+        finally:
+            shm_in.close()
+            shm_out.close()
+
+    return payload, cleanup
+
+
+_shm_ids = itertools.count()
+
+
 def main(args) -> int:
     """The CLI's `bench` (arguments from voxserve.cli)."""
     shape = (args.batch, *args.shape)
@@ -186,49 +233,25 @@ def main(args) -> int:
     x = np.random.default_rng(0).standard_normal(shape, dtype=np.float32)
     payload = build_request(x, args.model_name, args.dtype).SerializeToString()
     tensor_bytes = len(to_wire(x, args.dtype))
-    shm_buffers = []
+    cleanup = None
     if args.shared_memory:
-        # Input and output in shared memory: only a few hundred bytes of request cross the socket.
-        wire = to_wire(x, args.dtype)
-        tag = f"voxbench_{os.getpid()}"
-        shm_in = SharedMemoryBuffer(f"{tag}_in", len(wire))
-        shm_out = SharedMemoryBuffer(f"{tag}_out", 4 * args.batch * 1024)
-        shm_buffers = [shm_in, shm_out]
-        shm_in.write(np.frombuffer(wire, np.uint8))
-        with Client(args.url, model=args.model_name, credentials=creds) as c:
-            c.register_system_shared_memory(f"{tag}_in", shm_in.key, shm_in.size)
-            c.register_system_shared_memory(f"{tag}_out", shm_out.key, shm_out.size)
-        payload = build_shm_request(shape, args.model_name, args.dtype, f"{tag}_in",
-                                    output_region=f"{tag}_out").SerializeToString()
+        payload, cleanup = setup_shared_memory(args.url, x, args.dtype, args.model_name, creds)
     levels = args.concurrency
     duration = None if args.requests else args.duration
     results: list[LevelResult] = []
-    sink = None
     targets = [("voxserve", args.url, creds)]
-    if args.compare_raw:
-        ctx = multiprocessing.get_context("spawn")
-        port_queue = ctx.Queue()
-        sink = ctx.Process(target=_sink_main, args=(port_queue,), daemon=True)
-        sink.start()
-        # The sink is plaintext and local: with TLS to voxserve the comparison includes TLS's cost.
-        targets.append(("raw sink", f"127.0.0.1:{port_queue.get(timeout=60)}", PLAINTEXT))
-    try:
+    with contextlib.ExitStack() as stack:
+        if args.compare_raw:
+            # The sink is plaintext and local: with TLS to voxserve the comparison includes TLS's cost.
+            targets.append(("raw sink", stack.enter_context(raw_sink()), PLAINTEXT))
+        if cleanup is not None:
+            stack.callback(cleanup)
         for target, url, target_creds in targets:
             for c in levels:
                 results.append(asyncio.run(run_level(url, payload, args.batch, tensor_bytes, c, duration_s=duration,
                                                      requests=args.requests, model=args.model_name, target=target,
                                                      timeout_s=args.timeout_s, progress=not args.json,
                                                      credentials=target_creds)))
-    finally:
-        if sink is not None:
-            sink.terminate()
-            sink.join(10)
-        if shm_buffers:
-            with Client(args.url, model=args.model_name, credentials=creds) as c:
-                for region in (f"voxbench_{os.getpid()}_in", f"voxbench_{os.getpid()}_out"):
-                    c.unregister_system_shared_memory(region)
-            for buf in shm_buffers:
-                buf.close()
     if args.json:
         print(json.dumps({"shape": list(shape), "dtype": args.dtype, "request_bytes": len(payload),
                           "tensor_bytes": tensor_bytes, "shared_memory": bool(args.shared_memory),

@@ -33,6 +33,20 @@ from voxserve import kernels
 _TORCH_WIRE = {"FP32": torch.float32, "FP16": torch.float16, "BF16": torch.bfloat16}
 
 
+# Small batches run as captured CUDA graphs, one per (bucket, sample shape): a batch of N samples is padded
+# with zero samples up to the next bucket, so the dynamic batcher's varying sizes reuse a handful of graphs
+# instead of capturing (a device-wide synchronisation and a garbage collection each) one per size.
+GRAPH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+
+
+def graph_bucket(samples: int, sample_bytes: int, max_input_bytes: int) -> int:
+    """The padded batch size for ``samples`` (itself when no bucket applies)."""
+    for bucket in GRAPH_BUCKETS:
+        if bucket >= samples:
+            return bucket if bucket * sample_bytes <= max_input_bytes else samples
+    return samples
+
+
 def _round_up(n: int) -> int:
     return 1 << max(20, (n - 1).bit_length())  # powers of two from 1 MiB: few re-allocations
 
@@ -84,12 +98,15 @@ class CudaPipeline:
 
         Blocks only while all ``depth`` slots are in flight."""
         samples = sum(int(a.shape[0]) for a in arrays)
-        shape = (samples, *arrays[0].shape[1:])
         nbytes = sum(a.nbytes for a in arrays)
+        graphs = self.model.graphs
+        padded = graph_bucket(samples, nbytes // samples, graphs.max_input_bytes) if graphs is not None else samples
+        padded_bytes = nbytes // samples * padded
+        shape = (padded, *arrays[0].shape[1:])
         cout = self.model.cout
         slot = self._free.get()
         try:
-            slot.reserve(nbytes, samples * cout)
+            slot.reserve(padded_bytes, padded * cout)
             t0 = time.perf_counter_ns()
             offset = 0
             for a in arrays:  # copy 1: into pinned memory (torch's copy is multi-threaded for large tensors)
@@ -106,14 +123,16 @@ class CudaPipeline:
             with torch.cuda.stream(self.copy_stream):
                 h2d_start.record()
                 slot.dev[:nbytes].copy_(slot.host[:nbytes], non_blocking=True)  # copy 2: DMA
+                if padded_bytes > nbytes:
+                    slot.dev[nbytes:padded_bytes].zero_()
                 h2d_end.record()
-            x = slot.dev[:nbytes].view(_TORCH_WIRE[datatype]).view(shape)
+            x = slot.dev[:padded_bytes].view(_TORCH_WIRE[datatype]).view(shape)
             with torch.cuda.stream(self.compute_stream):
                 self.compute_stream.wait_event(h2d_end)
                 start.record()
                 y = self.model.compute(x)
                 end.record()
-                slot.out[: samples * cout].view(samples, cout).copy_(y, non_blocking=True)  # copy 3: N x Cout
+                slot.out[: samples * cout].view(samples, cout).copy_(y[:samples], non_blocking=True)  # 3: N x Cout
                 done.record()
         except BaseException:
             self._free.put(slot)

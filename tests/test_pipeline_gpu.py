@@ -140,3 +140,17 @@ def test_two_gpus_share_the_work():
     for x, r in zip(inputs, results, strict=True):
         assert relative_error(torch.from_numpy(np.ascontiguousarray(r.output)), _ref(x, "FP32", models[0])) <= FP32_TOL
     assert {"cuda:0", "cuda:1"} <= set(used), used
+
+
+def test_small_batches_share_padded_graphs():
+    from voxserve.server.pipeline import GRAPH_BUCKETS
+
+    model = _model()
+    rng = np.random.default_rng()
+    for n in (1, 3, 5, 6, 7, 3, 5, 6, 7, 12, 13, 12, 13, 2, 2):
+        x = rng.standard_normal((n, 3, 16, 32, 32), dtype=np.float32)
+        y, _ = model.run_arrays([x], "FP32")
+        assert y.shape == (n, 16)
+        assert relative_error(torch.from_numpy(y), _ref(x, "FP32", model)) <= FP32_TOL
+    shapes = {key[0][0] for key in model.graphs._graphs}
+    assert shapes <= set(GRAPH_BUCKETS) and len(model.graphs) <= 4, shapes  # buckets 2, 4, 8, 16 at most

@@ -1,0 +1,199 @@
+"""The service benchmark: raw gRPC ceiling vs voxserve vs MLServer, driven by one client, in one run.
+
+    python bench/service_bench.py --out bench/results/service-<machine>.md [--mlserver-pythonpath DIR]
+        [--mlserver-python PY] [--device auto] [--duration 5]
+
+Scenarios (all through `voxserve.client.bench.run_level`: pre-serialised requests, N concurrent workers):
+  1. full-batch FP32 over gRPC: a trivial sink (the transport's ceiling), voxserve, MLServer;
+  2. the same batch as FP16 on the wire (voxserve);
+  3. the same batch in system shared memory (voxserve; a client on the same host);
+  4. batch-1 traffic at concurrency 64: voxserve with batching, without (--no-batching), MLServer.
+MLServer runs the same model as a custom runtime with eager PyTorch (bench/mlserver_peer/), in its own
+process and Python environment (--mlserver-python, or this one with --mlserver-pythonpath prepended).
+Every server runs on this machine beside the client, one at a time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import datetime
+import json
+import os
+import platform
+import shlex
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+from voxserve.client import Client, build_request
+from voxserve.client.bench import LevelResult, raw_sink, run_level, setup_shared_memory
+from voxserve.datatypes import to_wire
+from voxserve.kernels import reference_weights
+from voxserve.testing.load import ServerProcess, free_port
+
+REPO = Path(__file__).resolve().parents[1]
+SAMPLE = (3, 16, 32, 32)
+
+
+@contextlib.contextmanager
+def mlserver(python: str, pythonpath: str | None, timeout_s: float = 300.0):
+    """MLServer with the eager-PyTorch runtime on free ports; yields its gRPC address."""
+    with tempfile.TemporaryDirectory(prefix="voxnet-mlserver-") as root:
+        w, b = reference_weights()
+        model_dir = Path(root) / "voxnet"
+        model_dir.mkdir()
+        np.savez(model_dir / "weights.npz", weight=w.numpy(), bias=b.numpy())
+        (model_dir / "model-settings.json").write_text(json.dumps({
+            "name": "voxnet", "implementation": "voxnet_runtime.VoxnetEager", "parameters": {"uri": "./weights.npz"}}))
+        grpc_port = free_port()
+        (Path(root) / "settings.json").write_text(json.dumps({
+            "grpc_port": grpc_port, "http_port": free_port(), "metrics_port": free_port(), "parallel_workers": 0,
+            "grpc_max_message_length": 512 * 1024 * 1024}))
+        paths = [str(REPO / "bench" / "mlserver_peer")] + ([pythonpath] if pythonpath else [])
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([*paths, os.environ.get("PYTHONPATH", "")])}
+        log = open(Path(root) / "mlserver.log", "w+")  # noqa: SIM115 - read back on failure
+        proc = subprocess.Popen([python, "-c", "import sys; from mlserver.cli.main import main; "
+                                 "sys.argv = ['mlserver', 'start', sys.argv[1]]; main()", root],
+                                stdout=log, stderr=subprocess.STDOUT, env=env, cwd=root)
+        url = f"127.0.0.1:{grpc_port}"
+        try:
+            deadline = time.monotonic() + timeout_s
+            with Client(url, timeout_s=2) as c:
+                while not c.is_ready():
+                    if proc.poll() is not None or time.monotonic() > deadline:
+                        log.seek(0)
+                        raise RuntimeError(f"MLServer did not become ready:\n{log.read()[-3000:]}")
+                    time.sleep(0.5)
+            yield url
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+            log.close()
+
+
+def level(url: str, payload: bytes, samples: int, tensor_bytes: int, concurrency: int, target: str,
+          duration_s: float) -> LevelResult:
+    print(f"  {target}: {samples} samples x c={concurrency}", file=sys.stderr, flush=True)
+    return asyncio.run(run_level(url, payload, samples, tensor_bytes, concurrency, duration_s=duration_s,
+                                 requests=None, model="voxnet", target=target, timeout_s=300.0))
+
+
+def run(args) -> dict[str, list[LevelResult]]:
+    rng = np.random.default_rng(0)
+    full = rng.standard_normal((args.batch, *SAMPLE), dtype=np.float32)
+    one = full[:1].copy()
+    fp32 = build_request(full, "voxnet", "FP32").SerializeToString()
+    fp16 = build_request(full, "voxnet", "FP16").SerializeToString()
+    single = build_request(one, "voxnet", "FP32").SerializeToString()
+    n32, n16, n1 = full.nbytes, len(to_wire(full, "FP16")), one.nbytes
+    d = args.duration
+    out: dict[str, list[LevelResult]] = {"full": [], "fp16": [], "shm": [], "batch1": []}
+    with raw_sink() as sink:
+        for c in args.full_concurrency:
+            out["full"].append(level(sink, fp32, args.batch, n32, c, "raw sink", d))
+    serve = ["--device", args.device, "--max-message-bytes", str(512 * 1024 * 1024)]
+    with ServerProcess(serve) as vox:
+        for c in args.full_concurrency:
+            out["full"].append(level(vox.url, fp32, args.batch, n32, c, "voxserve", d))
+        for c in args.full_concurrency:
+            out["fp16"].append(level(vox.url, fp16, args.batch, n16, c, "voxserve", d))
+        payload, cleanup = setup_shared_memory(vox.url, full, "FP32", "voxnet")
+        try:
+            for c in args.full_concurrency:
+                out["shm"].append(level(vox.url, payload, args.batch, n32, c, "voxserve", d))
+        finally:
+            cleanup()
+        out["batch1"].append(level(vox.url, single, 1, n1, 64, "voxserve", d))
+    with ServerProcess([*serve, "--no-batching"]) as vox:
+        out["batch1"].append(level(vox.url, single, 1, n1, 64, "voxserve, no batching", d))
+    if args.mlserver_python or args.mlserver_pythonpath:
+        with mlserver(args.mlserver_python or sys.executable, args.mlserver_pythonpath) as url:
+            for c in args.full_concurrency:
+                out["full"].append(level(url, fp32, args.batch, n32, c, "MLServer", d))
+            out["batch1"].append(level(url, single, 1, n1, 64, "MLServer", d))
+    return out
+
+
+def _best(rows: list[LevelResult], target: str) -> LevelResult | None:
+    rows = [r for r in rows if r.target == target and r.requests]
+    return max(rows, key=lambda r: r.rps) if rows else None
+
+
+def render(args, out: dict[str, list[LevelResult]], device: str, seconds: float) -> str:
+    now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    lines = [f"# Service benchmark: {device}", "",
+             f"- date: {now}; {os.cpu_count()} CPU cores, Python {platform.python_version()}; client and servers on "
+             "the same host over loopback, one server at a time",
+             f"- command: `{shlex.join(['python', 'bench/service_bench.py', *sys.argv[1:]])}` ({seconds:.0f} s)",
+             f"- requests: ({args.batch}, {', '.join(map(str, SAMPLE))}) for the full batch, (1, "
+             f"{', '.join(map(str, SAMPLE))}) for batch 1; {args.duration:.0f} s per level", ""]
+    titles = {"full": "Full batch, FP32 over gRPC", "fp16": "Full batch, FP16 on the wire",
+              "shm": "Full batch in system shared memory", "batch1": "Batch 1 at concurrency 64"}
+    for key, rows in out.items():
+        lines += [f"## {titles[key]}", "", "| target | conc | req/s | samples/s | MB/s | p50 ms | p90 ms | p99 ms | "
+                  "errors |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        for r in rows:
+            lines.append(f"| {r.target} | {r.concurrency} | {r.rps:.1f} | {r.rps * r.samples_per_request:.0f} | "
+                         f"{r.rps * r.request_bytes / 1e6:.0f} | {r.percentile(50):.1f} | {r.percentile(90):.1f} | "
+                         f"{r.percentile(99):.1f} | {r.errors} |")
+        lines.append("")
+    lines += ["## Against the targets", "", "| target | measured | goal |", "|---|---|---|"]
+
+    def ratio(a: LevelResult | None, b: LevelResult | None) -> str:
+        return f"{a.rps * a.samples_per_request / (b.rps * b.samples_per_request):.2f}x" if a and b else "-"
+
+    raw, vox = _best(out["full"], "raw sink"), _best(out["full"], "voxserve")
+    lines.append(f"| full-batch FP32 vs raw gRPC ceiling (best level each) | "
+                 f"{vox.rps / raw.rps:.0%} ({vox.rps:.1f} vs {raw.rps:.1f} req/s) | >= 90 % |" if vox and raw else
+                 "| full-batch FP32 vs raw | - | >= 90 % |")
+    lines.append(f"| FP16 vs FP32 samples/s | {ratio(_best(out['fp16'], 'voxserve'), vox)} | >= 1.8x |")
+    lines.append(f"| shared memory vs raw gRPC ceiling, samples/s | {ratio(_best(out['shm'], 'voxserve'), raw)} | "
+                 ">= 5x (GPU box) |")
+    b1 = {r.target: r for r in out["batch1"]}
+    on, off = b1.get("voxserve"), b1.get("voxserve, no batching")
+    if on and off:
+        lines.append(f"| batch 1, c=64: batching vs none | {ratio(on, off)} (p99 {on.percentile(99):.0f} vs "
+                     f"{off.percentile(99):.0f} ms) | >= 4x, p99 stated |")
+    mls_full, mls_1 = _best(out["full"], "MLServer"), b1.get("MLServer")
+    lines.append(f"| vs MLServer (eager PyTorch), full batch | {ratio(vox, mls_full)} | >= 2x |")
+    lines.append(f"| vs MLServer, batch 1 at c=64 | {ratio(on, mls_1)} | >= 2x |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="auto", help="voxserve's --device")
+    parser.add_argument("--batch", type=int, default=128, help="samples in a full batch")
+    parser.add_argument("--full-concurrency", type=lambda t: [int(v) for v in t.split(",")], default=[1, 4])
+    parser.add_argument("--duration", type=float, default=5.0, help="seconds per level")
+    parser.add_argument("--mlserver-python", default=None, help="a Python with mlserver and torch installed")
+    parser.add_argument("--mlserver-pythonpath", default=None, help="prepend this to PYTHONPATH for MLServer")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    t0 = time.perf_counter()
+    out = run(args)
+    try:
+        import torch
+
+        device = torch.cuda.get_device_name(0) if torch.cuda.is_available() and args.device != "cpu" else \
+            f"CPU ({platform.processor() or platform.machine()})"
+    except ImportError:
+        device = "unknown"
+    text = render(args, out, device, time.perf_counter() - t0)
+    print(text)
+    if args.out:
+        Path(args.out).write_text(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
