@@ -42,6 +42,7 @@ class GraphCache:
         self.max_graphs, self.max_input_bytes, self.min_uses = max_graphs, max_input_bytes, min_uses
         self._graphs: OrderedDict[tuple, GraphEntry] = OrderedDict()
         self._seen: Counter[tuple] = Counter()
+        self._capture_stream = torch.cuda.Stream(self.device)
 
     @staticmethod
     def _key(x: torch.Tensor) -> tuple:
@@ -82,6 +83,10 @@ class GraphCache:
             fused_forward(static_in, self.weight, self.bias)
         torch.cuda.current_stream(self.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
+        # thread_local: the runner's other threads (collecting finished work, other GPUs) keep using CUDA while
+        # this one captures; only this thread's calls are checked for capture safety.
+        # An explicit capture stream on this cache's device: torch's default capture stream belongs to whichever
+        # device was current when it was first made, and a capture must begin and end on one device's stream.
+        with torch.cuda.graph(graph, stream=self._capture_stream, capture_error_mode="thread_local"):
             static_out = fused_forward(static_in, self.weight, self.bias)
         return GraphEntry(graph, static_in, static_out)
