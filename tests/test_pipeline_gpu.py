@@ -41,6 +41,18 @@ def _ref(arr: np.ndarray, datatype: str, model: Model) -> torch.Tensor:
     return reference_float64(wire_to_tensor(arr, datatype), model.weights.weight, model.weights.bias)
 
 
+def _run_and_check(runner: Runner, inputs: list[np.ndarray], model: Model) -> None:
+    """All inputs through the runner at once; each result within the fp32 bound of float64."""
+    async def main():
+        try:
+            return await asyncio.gather(*(runner.run(x, "FP32") for x in inputs))
+        finally:
+            await runner.close()
+
+    for x, r in zip(inputs, asyncio.run(main()), strict=True):
+        assert relative_error(torch.from_numpy(np.ascontiguousarray(r.output)), _ref(x, "FP32", model)) <= FP32_TOL
+
+
 @pytest.mark.parametrize("datatype", ["FP32", "FP16", "BF16"])
 def test_staged_execution_matches_float64_with_one_host_copy(datatype):
     model = _model()
@@ -72,16 +84,7 @@ def test_concurrent_batches_overlap_and_stay_correct():
     shapes = [(n, 3, d, 32, 32) for n in (1, 5, 16, 40) for d in (3, 16)]  # large ones pipeline
     inputs = [rng.standard_normal(s, dtype=np.float32) for s in shapes for _ in range(6)]
 
-    async def main():
-        try:
-            return await asyncio.gather(*(runner.run(x, "FP32") for x in inputs))
-        finally:
-            await runner.close()
-
-    results = asyncio.run(main())
-    for x, r in zip(inputs, results, strict=True):
-        ref = _ref(x, "FP32", model)
-        assert relative_error(torch.from_numpy(np.ascontiguousarray(r.output)), ref) <= FP32_TOL
+    _run_and_check(runner, inputs, model)
     assert max(inflight_seen) >= 2, inflight_seen  # the next execution was staged while one ran
     compute = metrics.registry.get_sample_value("voxserve_compute_duration_seconds_sum", {"model": "voxnet"})
     assert compute is not None and compute > 0  # CUDA-event device time
@@ -130,15 +133,7 @@ def test_two_gpus_share_the_work():
     rng = np.random.default_rng()
     inputs = [rng.standard_normal((32, 3, 16, 32, 32), dtype=np.float32) for _ in range(24)]
 
-    async def main():
-        try:
-            return await asyncio.gather(*(runner.run(x, "FP32") for x in inputs))
-        finally:
-            await runner.close()
-
-    results = asyncio.run(main())
-    for x, r in zip(inputs, results, strict=True):
-        assert relative_error(torch.from_numpy(np.ascontiguousarray(r.output)), _ref(x, "FP32", models[0])) <= FP32_TOL
+    _run_and_check(runner, inputs, models[0])
     assert {"cuda:0", "cuda:1"} <= set(used), used
 
 
