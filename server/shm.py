@@ -3,12 +3,13 @@ segments and pass tensors by region + offset instead of over the socket.
 
 Only regular files directly under /dev/shm can be registered (a key is a name, never a path; symlinks are
 refused). Every access re-checks bounds against the segment's current size, so hostile offsets and sizes
-get INVALID_ARGUMENT instead of an out-of-bounds read.
+get INVALID_ARGUMENT instead of an out-of-bounds read. Segments are read and written with pread/pwrite on
+the file, not through a mapping: a client that shrinks its segment while the server copies gets a short
+read (INVALID_ARGUMENT), where a mapped copy would take a SIGBUS and the whole server with it.
 """
 
 from __future__ import annotations
 
-import mmap
 import os
 import re
 import stat
@@ -31,10 +32,8 @@ class Region:
     offset: int
     byte_size: int
     fd: int
-    mapping: mmap.mmap
 
     def close(self) -> None:
-        self.mapping.close()
         os.close(self.fd)
 
 
@@ -76,11 +75,10 @@ class SharedMemoryRegistry:
                 if offset + byte_size > info.st_size:
                     raise invalid(f"region {name!r}: offset {offset} + byte_size {byte_size} exceeds the segment's "
                                   f"{info.st_size} bytes")
-                mapping = mmap.mmap(fd, info.st_size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
             except BaseException:
                 os.close(fd)
                 raise
-            self._regions[name] = Region(name, key, offset, byte_size, fd, mapping)
+            self._regions[name] = Region(name, key, offset, byte_size, fd)
 
     def unregister(self, name: str) -> None:
         """Unregister one region, or every region when name is empty."""
@@ -109,16 +107,27 @@ class SharedMemoryRegistry:
             raise invalid(f"{what}: shared-memory segment {region.key!r} is now smaller than region {name!r}")
         return region, start
 
-    def read(self, name: str, offset: int, byte_size: int, what: str) -> bytes:
+    def read(self, name: str, offset: int, byte_size: int, what: str) -> bytearray:
         """A private copy of the bytes (the request keeps no reference into the client's memory)."""
         with self._lock:
             region, start = self._slice(name, offset, byte_size, what)
-            return region.mapping[start : start + byte_size]
+            data = bytearray(byte_size)
+            view = memoryview(data)
+            done = 0
+            while done < byte_size:  # one pread normally; a loop for reads the kernel splits
+                n = os.preadv(region.fd, [view[done:]], start + done)
+                if n == 0:
+                    raise invalid(f"{what}: shared-memory segment {region.key!r} shrank while it was being read")
+                done += n
+            return data
 
     def write(self, name: str, offset: int, data: bytes, what: str) -> None:
         with self._lock:
             region, start = self._slice(name, offset, len(data), what)
-            region.mapping[start : start + len(data)] = data
+            view = memoryview(data)
+            done = 0
+            while done < len(data):
+                done += os.pwrite(region.fd, view[done:], start + done)
 
     def close(self) -> None:
         self.unregister("")
