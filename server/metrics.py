@@ -104,6 +104,8 @@ class Metrics:
                                 ["version", "device", "kernel"], registry=r)
         for gauge in (self.inflight, self.queue_depth, self.model_ready):
             gauge.labels(model).set(0)
+        for reason in ("out_of_memory", "device_error"):  # present from the start, so rates and alerts see 0
+            self.execution_failures.labels(model, reason)
         self.gpu_collector = NvmlCollector.create() if gpu_metrics else None
         if self.gpu_collector is not None:
             r.register(self.gpu_collector)
