@@ -102,3 +102,25 @@ def test_generated_protocol_code_is_current():
     proc = subprocess.run([sys.executable, "-m", "voxserve.proto.generate", "--check"], cwd=REPO,
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
+
+
+@pytest.mark.parametrize(("flags", "message"), [
+    (["--devices", "0,x"], "--devices='0,x': must be 'all' or comma-separated GPU indices"),
+    (["--devices", "all", "--device", "cpu"], "cannot be combined with --device cpu"),
+    (["--max-request-voxels", "0"], "--max-request-voxels=0: must be >= 1"),
+])
+def test_serve_flags_are_validated(flags, message):
+    from voxserve.cli import build_parser
+    from voxserve.server.settings import from_namespace
+
+    with pytest.raises(ValueError, match=message.replace("(", r"\(")):
+        from_namespace(build_parser().parse_args(["serve", *flags]))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU message")
+def test_devices_without_a_gpu_is_a_clear_start_up_error():
+    from voxserve.server.model import select_devices
+
+    with pytest.raises(RuntimeError, match="--devices all: no CUDA device is visible"):
+        select_devices("auto", "all")
+    assert select_devices("auto", "")[0][1] == "reference-cpu"
