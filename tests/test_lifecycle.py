@@ -9,14 +9,14 @@ import subprocess
 import sys
 import time
 import urllib.request
-from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from voxserve.client import Client, InferenceError
+from voxserve.client import Client, InferenceError, build_request, parse_response
+from voxserve.proto import pb
 
 from .conftest import REPO
 
@@ -80,9 +80,14 @@ def test_sigterm_drains_in_flight_requests(server_process):
     proc, url, metrics_port, log = server_process
     _wait_for(lambda: _health(url) == health_pb2.HealthCheckResponse.SERVING, 120, "the server to become ready")
     rng = np.random.default_rng()
-    inputs = [rng.standard_normal((256, 3, 16, 32, 32), dtype=np.float32) for _ in range(4)]
-    with ThreadPoolExecutor(len(inputs)) as pool, Client(url, timeout_s=120) as client:
-        futures = [pool.submit(client.infer, x) for x in inputs]
+    inputs = [rng.standard_normal((384, 3, 16, 32, 32), dtype=np.float32) for _ in range(4)]
+    # Serialised up front, so that all four reach the server together (sending bytes needs no GIL) and
+    # are in flight at once even on a busy 2-core machine.
+    bodies = [build_request(x, "voxnet", "FP32").SerializeToString() for x in inputs]
+    with grpc.insecure_channel(url, options=[("grpc.max_send_message_length", 1 << 30),
+                                             ("grpc.max_receive_message_length", 1 << 30)]) as channel:
+        call = channel.unary_unary("/inference.GRPCInferenceService/ModelInfer")
+        futures = [call.future(body, timeout=300) for body in bodies]
         _wait_for(lambda: (_metric(metrics_port, "voxserve_inflight_requests") or 0) >= len(inputs), 60,
                   "all requests to be in flight")
         proc.send_signal(signal.SIGTERM)
@@ -90,12 +95,13 @@ def test_sigterm_drains_in_flight_requests(server_process):
         with Client(url, timeout_s=10) as late, pytest.raises(InferenceError) as err:
             late.infer(inputs[0][:1])
         assert err.value.code == grpc.StatusCode.UNAVAILABLE
-        results = [f.result(timeout=120) for f in futures]  # every accepted request is answered
-    assert all(r.shape == (256, 16) and np.isfinite(r).all() for r in results)
+        # Every accepted request is answered.
+        results = [parse_response(pb.ModelInferResponse.FromString(f.result(timeout=300))) for f in futures]
+    assert all(r.shape == (384, 16) and np.isfinite(r).all() for r in results)
     assert proc.wait(timeout=60) == 0
     log.seek(0)
     text = log.read()
-    assert "draining" in text and "stopped" in text
+    assert "draining" in text and "stopped: 4 requests admitted, 4 answered OK, 0 abandoned" in text
 
 
 def test_bad_weights_fail_start_with_exit_1(tmp_path):
