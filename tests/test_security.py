@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
@@ -213,3 +214,18 @@ def test_token_comparison_checks_every_byte(tmp_path):
         assert not interceptor._admits((("authorization", f"Bearer {flipped}"),))
     assert not interceptor._admits((("x-other", TOKEN),))
     assert not interceptor._admits(())
+
+
+def test_bench_speaks_tls_and_token(pki, token_file, tmp_path):
+    server = pki["server"]
+    client_token = tmp_path / "token"
+    client_token.write_text(TOKEN + "\n")
+    with running_server(tls_cert=str(server.cert), tls_key=str(server.key), auth_token_file=str(token_file)) as srv:
+        assert srv.wait_ready()
+        proc = subprocess.run(
+            [sys.executable, "-m", "voxserve", "bench", "--url", f"localhost:{srv.port}", "--tls-ca", str(pki["ca"]),
+             "--auth-token-file", str(client_token), "--shape", "3,4,4,4", "--concurrency", "2", "--requests", "6",
+             "--json"], cwd=REPO, capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 0, proc.stderr
+        level = json.loads(proc.stdout)["levels"][0]
+        assert level["requests"] == 6 and level["errors"] == 0
