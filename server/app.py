@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+import time
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -83,8 +84,10 @@ class VoxServer:
         A weights file that cannot be used raises WeightsError here, before any port is open.
         """
         s = self.settings
+        t0 = time.perf_counter()
         self._weights = await asyncio.to_thread(
             lambda: weights_io.load(s.weights) if s.weights else weights_io.default_weights())
+        self.metrics.startup_duration.labels(s.model_name, "weights").set(time.perf_counter() - t0)
         address = f"{s.host}:{s.grpc_port}"
         if self._credentials is not None:
             self.port = self.server.add_secure_port(address, self._credentials)
@@ -134,12 +137,18 @@ class VoxServer:
         weights = self._weights
         assert weights is not None, "start() reads the weights first"
         log.info("weights: %s (Cout=%d, Cin=%d, k=%d)", weights.source, weights.cout, weights.cin, weights.k)
+        startup = self.metrics.startup_duration
+        t0 = time.perf_counter()
+        chosen = select_devices(s.device, s.devices)  # on a GPU: builds or loads the fused kernel
+        startup.labels(s.model_name, "kernel").set(time.perf_counter() - t0)
         models = []
-        for device, kernel in select_devices(s.device, s.devices):
+        t0 = time.perf_counter()
+        for device, kernel in chosen:
             model = Model(weights, device, kernel, s.max_batch)
             err = model.warm_up()
             log.info("warm-up on %s matched the float64 reference (relative error %.1e)", device, err)
             models.append(model)
+        startup.labels(s.model_name, "warmup").set(time.perf_counter() - t0)
         return models
 
     def _device_lost(self, reason: str) -> None:

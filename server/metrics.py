@@ -100,6 +100,10 @@ class Metrics:
                               registry=r)
         self.queue_depth = Gauge("voxserve_queue_depth", "Requests waiting for the runner.", ["model"], registry=r)
         self.model_ready = Gauge("voxserve_model_ready", "1 when the model serves requests.", ["model"], registry=r)
+        self.startup_duration = Gauge("voxserve_startup_duration_seconds",
+                                      "Start-up time by phase: weights (read and checked), kernel (fused kernel "
+                                      "built or loaded), warmup (models on their devices, checked vs float64).",
+                                      ["model", "phase"], registry=r)
         self.build_info = Gauge("voxserve_build_info", "Constant 1, labelled with version, device and kernel.",
                                 ["version", "device", "kernel"], registry=r)
         for gauge in (self.inflight, self.queue_depth, self.model_ready):

@@ -68,6 +68,13 @@ def test_metric_names_and_types(server):
     assert not any(name in families for name in GPU_METRICS)  # no GPU here: no GPU series
     ready = [s.value for s in families["voxserve_model_ready"].samples]
     assert ready == [1.0]
+    # Beyond the fixed names: start-up phases and device faults (zero until one happens).
+    phases = {s.labels["phase"]: s.value for s in families["voxserve_startup_duration_seconds"].samples}
+    assert set(phases) == {"weights", "kernel", "warmup"} and all(v >= 0 for v in phases.values())
+    assert phases["warmup"] > 0
+    failures = {s.labels["reason"] for s in families["voxserve_execution_failures"].samples
+                if s.name.endswith("_total")}
+    assert failures == {"out_of_memory", "device_error"}
 
 
 def test_latency_buckets_flag_is_validated():
