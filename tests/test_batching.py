@@ -11,6 +11,8 @@ import grpc
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from voxserve.client import AsyncClient, InferenceError
 from voxserve.kernels import reference_float64, reference_weights
@@ -265,3 +267,42 @@ def test_copies_of_request_bytes_on_the_cpu_path(monkeypatch):
     merged = [e for e in executed if e[1] == 6]
     assert merged, executed  # the three queued requests ran as one execution ...
     assert merged[0][0] not in decoded_ptrs[1:] and merged[0][2]  # ... on one new contiguous buffer: 1 copy
+
+
+@settings(max_examples=200, deadline=None)
+@given(sizes=st.lists(st.integers(1, 40), min_size=1, max_size=12), max_batch=st.integers(1, 16),
+       max_inflight=st.integers(1, 3))
+def test_any_mix_of_requests_gets_exactly_its_own_rows(sizes, max_batch, max_inflight):
+    """Whatever the sizes, limits and overlap, each request gets its own rows in order (batching never changes
+    a result), every execution stays within max_batch, and no sample is run twice or dropped."""
+    from voxserve.server.runner import split_executions
+
+    executed: list[int] = []
+
+    async def execute(arrays, datatype):
+        rows = []
+        for ex in split_executions(arrays, max_batch):
+            batch = ex[0] if len(ex) == 1 else np.concatenate(ex)
+            executed.append(int(batch.shape[0]))
+            await asyncio.sleep(0)
+            rows.append(batch.reshape(batch.shape[0], -1)[:, :1] * 2.0)
+        return np.concatenate(rows)
+
+    async def main():
+        batcher = DynamicBatcher(execute, max_batch=max_batch, max_delay_s=0.0, max_queue=1000,
+                                 max_inflight=max_inflight)
+        try:
+            inputs, start = [], 0
+            for n in sizes:
+                inputs.append(np.arange(start, start + n, dtype=np.float32).reshape(n, 1, 1, 1, 1)
+                              * np.ones((1, 3, 1, 1, 1), np.float32))
+                start += n
+            results = await asyncio.gather(*(batcher.submit(x, "FP32") for x in inputs))
+            return inputs, results
+        finally:
+            await batcher.close()
+
+    inputs, results = asyncio.run(main())
+    for x, r in zip(inputs, results, strict=True):
+        assert np.array_equal(r.output[:, 0], x[:, 0, 0, 0, 0] * 2.0)
+    assert sum(executed) == sum(sizes) and max(executed) <= max_batch

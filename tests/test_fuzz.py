@@ -157,3 +157,21 @@ def test_zero_copy_parser_views_the_received_bytes():
     assert parsed.message.id == "r1" and list(parsed.message.inputs[0].shape) == [4, 3, 5, 6, 7]
     assert parsed.raw[0].obj is data  # a view of gRPC's buffer, not a copy
     assert np.array_equal(np.frombuffer(parsed.raw[0], np.float32).reshape(x.shape), x)
+
+
+def test_mutated_requests_on_one_stream_get_in_band_answers(server):
+    """ModelStreamInfer: each mutated message gets its own answer on the stream (a response or an error
+    message naming an allowed status), and the stream itself ends OK."""
+    mutator = Mutator(seed_requests(), seed=int(np.random.SeedSequence().entropy % 2**32))
+    bodies = [mutator.next() for _ in range(400)]
+    with grpc.insecure_channel(server.url) as channel:
+        stream = channel.stream_stream("/inference.GRPCInferenceService/ModelStreamInfer")
+        answers = [pb.ModelStreamInferResponse.FromString(raw) for raw in stream(iter(bodies), timeout=120)]
+    assert len(answers) == len(bodies)
+    allowed = {code.name for code in ALLOWED_CODES}
+    for a in answers:
+        if a.error_message:
+            assert a.error_message.split(":", 1)[0] in allowed, a.error_message
+        else:
+            assert a.infer_response.outputs[0].name == "output"
+    assert any(a.error_message for a in answers) and any(not a.error_message for a in answers)
