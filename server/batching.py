@@ -73,17 +73,14 @@ class DynamicBatcher:
         """Requests waiting (not yet executing)."""
         return self._queued
 
-    @property
-    def full(self) -> bool:
-        return self._queued >= self.max_queue
-
-    def full_message(self) -> str:
-        return f"the queue holds {self._queued} requests, its limit (--max-queue-size {self.max_queue})"
+    def admit(self) -> None:
+        """QueueFull, naming the limit, when the queue holds its maximum number of requests."""
+        if self._queued >= self.max_queue:
+            raise QueueFull(f"the queue holds {self._queued} requests, its limit (--max-queue-size {self.max_queue})")
 
     async def submit(self, array: np.ndarray, datatype: str, timeout_s: float | None = None) -> BatchResult:
         """Queue one request's (N, Cin, D, H, W) array; QueueFull at once when the queue is full."""
-        if self.full:
-            raise QueueFull(self.full_message())
+        self.admit()
         loop = asyncio.get_running_loop()
         if self._task is None:
             self._task = loop.create_task(self._loop())

@@ -28,8 +28,6 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from voxserve import kernels
-
 _TORCH_WIRE = {"FP32": torch.float32, "FP16": torch.float16, "BF16": torch.bfloat16}
 
 
@@ -157,22 +155,9 @@ class CudaPipeline:
         """After a fault: wait for the streams, drop the staging memory (it is re-reserved on demand)."""
         for stream in (self.copy_stream, self.compute_stream):
             stream.synchronize()
-        slots = []
-        while not self._free.empty():
-            slots.append(self._free.get_nowait())
-        for _ in range(len(slots)):
+        drained = 0
+        while not self._free.empty():  # slots in flight come back through wait() and keep their memory
+            self._free.get_nowait()
+            drained += 1
+        for _ in range(drained):
             self._free.put(_Slot(self.device))
-
-
-def compute_on(model, x: torch.Tensor) -> torch.Tensor:
-    """The fused op on the current stream, through a captured CUDA graph when the shape repeats."""
-    graphs = model.graphs
-    entry = graphs.lookup(x) if graphs is not None else None
-    if entry is not None:
-        entry.stage(x)
-        return entry.replay()
-    with torch.inference_mode():
-        y = kernels.fused_forward(x, model.weight_on_device, model.bias_on_device)
-    if graphs is not None:
-        graphs.note(x)
-    return y

@@ -27,8 +27,7 @@ from .stats import ModelStats
 
 log = logging.getLogger(__name__)
 
-# Batches up to this size run staged and collected in one hop to the worker thread: for them the
-# second hop would cost more latency than overlapping their sub-millisecond transfers saves.
+# GPU batches up to this size run start to finish in one hop to the worker thread (see Runner._execute).
 INLINE_BYTES = 2 * 1024 * 1024
 
 
@@ -120,7 +119,9 @@ class Runner:
         worker = min(live, key=lambda w: w.inflight)
         executions = split_executions(arrays, self.max_batch)
         loop = asyncio.get_running_loop()
-        if worker.waiter is None:  # CPU: one execution after another on the worker thread
+        if worker.waiter is None or sum(a.nbytes for a in arrays) <= INLINE_BYTES:
+            # One execution after another, each in one hop to the worker thread: the CPU, and small GPU
+            # batches, for which a second hop would cost more latency than overlapping their transfers saves.
             outputs = []
             for ex in executions:
                 worker.inflight += 1
@@ -128,13 +129,6 @@ class Runner:
                     outputs.append(await loop.run_in_executor(worker.submitter, self._run_sync, worker, ex, datatype))
                 finally:
                     worker.inflight -= 1
-        elif sum(a.nbytes for a in arrays) <= INLINE_BYTES:  # small: one thread hop, latency first
-            worker.inflight += 1
-            try:
-                outputs = [await loop.run_in_executor(worker.submitter, self._submit_and_collect, worker, ex,
-                                                      datatype) for ex in executions]
-            finally:
-                worker.inflight -= 1
         else:  # GPU: submit each execution without waiting; a second thread collects them in order
             waits: list[asyncio.Future] = []
             failure: BaseException | None = None
@@ -156,6 +150,9 @@ class Runner:
         return outputs[0] if len(outputs) == 1 else np.concatenate(outputs)
 
     def _run_sync(self, worker: DeviceWorker, arrays: list[np.ndarray], datatype: str) -> np.ndarray:
+        """One execution, start to finish, on the worker thread (Model.run_arrays: the pipeline on a GPU)."""
+        if worker.lost is not None:
+            raise self.lost_error()
         try:
             y, times = worker.model.run_arrays(arrays, datatype)
         except Exception as exc:
@@ -170,9 +167,6 @@ class Runner:
             return worker.model.pipeline.submit(arrays, datatype)
         except Exception as exc:
             raise self._fault(worker, exc, arrays) from None
-
-    def _submit_and_collect(self, worker: DeviceWorker, arrays: list[np.ndarray], datatype: str) -> np.ndarray:
-        return self._collect(worker, self._submit(worker, arrays, datatype))
 
     def _collect(self, worker: DeviceWorker, pending) -> np.ndarray:
         try:

@@ -250,12 +250,10 @@ class InferenceService:
             if not self.state.ready or spec is None or runner is None:
                 codec.check_model(self.model_name, self.model_version, request.model_name, request.model_version)
                 raise unavailable(f"model '{self.model_name}' is not ready yet (loading or warming up)")
-            if runner.batcher.full:  # refuse before decoding: overload must cost as little as possible
-                raise unavailable(f"model '{self.model_name}' is overloaded: {runner.batcher.full_message()}; "
-                                  f"retry later")
-            decoded = codec.decode_request(request, spec, self.shm, parsed.raw)
-            m.input_bytes.labels(model).inc(decoded.array.nbytes)
             try:
+                runner.batcher.admit()  # refuse before decoding: overload must cost as little as possible
+                decoded = codec.decode_request(request, spec, self.shm, parsed.raw)
+                m.input_bytes.labels(model).inc(decoded.array.nbytes)
                 result = await runner.run(decoded.array, decoded.datatype, timeout_s)
             except QueueFull as exc:
                 raise unavailable(f"model '{self.model_name}' is overloaded: {exc}; retry later") from None
