@@ -16,6 +16,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from voxserve.client import Client, InferenceError, build_request, parse_response
+from voxserve.client.bench import INFER_METHOD
 from voxserve.proto import pb
 
 from .conftest import REPO
@@ -86,7 +87,7 @@ def test_sigterm_drains_in_flight_requests(server_process):
     bodies = [build_request(x, "voxnet", "FP32").SerializeToString() for x in inputs]
     with grpc.insecure_channel(url, options=[("grpc.max_send_message_length", 1 << 30),
                                              ("grpc.max_receive_message_length", 1 << 30)]) as channel:
-        call = channel.unary_unary("/inference.GRPCInferenceService/ModelInfer")
+        call = channel.unary_unary(INFER_METHOD)
         futures = [call.future(body, timeout=300) for body in bodies]
         _wait_for(lambda: (_metric(metrics_port, "voxserve_inflight_requests") or 0) >= len(inputs), 60,
                   "all requests to be in flight")

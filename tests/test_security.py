@@ -152,28 +152,34 @@ def test_open_health_lets_probes_through_and_nothing_else(token_file):
             assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
 
 
-def test_cli_speaks_tls_and_token(pki, token_file, tmp_path):
-    server = pki["server"]
-    client_token = tmp_path / "token"
+@pytest.fixture(scope="module")
+def tls_token_server(pki, token_file, tmp_path_factory):
+    """A server with TLS and tokens; yields it, the CLI's address flags, and a client token file."""
+    client_token = tmp_path_factory.mktemp("client") / "token"
     client_token.write_text(TOKEN + "\n")
+    server = pki["server"]
     with running_server(tls_cert=str(server.cert), tls_key=str(server.key), auth_token_file=str(token_file)) as srv:
         assert srv.wait_ready()
-        base = [sys.executable, "-m", "voxserve"]
-        url = ["--url", f"localhost:{srv.port}", "--tls-ca", str(pki["ca"])]
-        ok = subprocess.run([*base, "health", *url, "--auth-token-file", str(client_token)], cwd=REPO,
-                            capture_output=True, text=True, timeout=60)
-        assert ok.returncode == 0 and "ready" in ok.stdout, ok.stderr
-        out = tmp_path / "y.npy"
-        inf = subprocess.run([*base, "infer", *url, "--auth-token-file", str(client_token), "--random", "1,3,4,4,4",
-                              "--output", str(out)], cwd=REPO, capture_output=True, text=True, timeout=60)
-        assert inf.returncode == 0, inf.stderr
-        assert np.load(out).shape == (1, 16)
-        denied = subprocess.run([*base, "infer", *url, "--random", "1,3,4,4,4"], cwd=REPO, capture_output=True,
-                                text=True, timeout=60)
-        assert denied.returncode == 1 and "UNAUTHENTICATED" in denied.stderr
-        missing = subprocess.run([*base, "health", *url, "--auth-token-file", str(tmp_path / "absent")], cwd=REPO,
-                                 capture_output=True, text=True, timeout=60)
-        assert missing.returncode == 2 and "absent" in missing.stderr
+        yield srv, ["--url", f"localhost:{srv.port}", "--tls-ca", str(pki["ca"])], client_token
+
+
+def test_cli_speaks_tls_and_token(tls_token_server, tmp_path):
+    _, url, client_token = tls_token_server
+    base = [sys.executable, "-m", "voxserve"]
+    ok = subprocess.run([*base, "health", *url, "--auth-token-file", str(client_token)], cwd=REPO,
+                        capture_output=True, text=True, timeout=60)
+    assert ok.returncode == 0 and "ready" in ok.stdout, ok.stderr
+    out = tmp_path / "y.npy"
+    inf = subprocess.run([*base, "infer", *url, "--auth-token-file", str(client_token), "--random", "1,3,4,4,4",
+                          "--output", str(out)], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert inf.returncode == 0, inf.stderr
+    assert np.load(out).shape == (1, 16)
+    denied = subprocess.run([*base, "infer", *url, "--random", "1,3,4,4,4"], cwd=REPO, capture_output=True,
+                            text=True, timeout=60)
+    assert denied.returncode == 1 and "UNAUTHENTICATED" in denied.stderr
+    missing = subprocess.run([*base, "health", *url, "--auth-token-file", str(tmp_path / "absent")], cwd=REPO,
+                             capture_output=True, text=True, timeout=60)
+    assert missing.returncode == 2 and "absent" in missing.stderr
 
 
 @pytest.mark.parametrize(("overrides", "message"), [
@@ -216,16 +222,11 @@ def test_token_comparison_checks_every_byte(tmp_path):
     assert not interceptor._admits(())
 
 
-def test_bench_speaks_tls_and_token(pki, token_file, tmp_path):
-    server = pki["server"]
-    client_token = tmp_path / "token"
-    client_token.write_text(TOKEN + "\n")
-    with running_server(tls_cert=str(server.cert), tls_key=str(server.key), auth_token_file=str(token_file)) as srv:
-        assert srv.wait_ready()
-        proc = subprocess.run(
-            [sys.executable, "-m", "voxserve", "bench", "--url", f"localhost:{srv.port}", "--tls-ca", str(pki["ca"]),
-             "--auth-token-file", str(client_token), "--shape", "3,4,4,4", "--concurrency", "2", "--requests", "6",
-             "--json"], cwd=REPO, capture_output=True, text=True, timeout=120)
-        assert proc.returncode == 0, proc.stderr
-        level = json.loads(proc.stdout)["levels"][0]
-        assert level["requests"] == 6 and level["errors"] == 0
+def test_bench_speaks_tls_and_token(tls_token_server):
+    _, url, client_token = tls_token_server
+    proc = subprocess.run(
+        [sys.executable, "-m", "voxserve", "bench", *url, "--auth-token-file", str(client_token), "--shape", "3,4,4,4",
+         "--concurrency", "2", "--requests", "6", "--json"], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    level = json.loads(proc.stdout)["levels"][0]
+    assert level["requests"] == 6 and level["errors"] == 0

@@ -19,9 +19,9 @@ from dataclasses import dataclass, field
 import grpc
 import numpy as np
 
+from voxserve.client.bench import INFER_METHOD
 from voxserve.proto import pb
 
-INFER_METHOD = "/inference.GRPCInferenceService/ModelInfer"
 ALLOWED_CODES = frozenset({
     grpc.StatusCode.OK,
     grpc.StatusCode.INVALID_ARGUMENT,

@@ -23,7 +23,8 @@ from pathlib import Path
 import grpc
 import numpy as np
 
-INFER_METHOD = "/inference.GRPCInferenceService/ModelInfer"
+from voxserve.client.bench import INFER_METHOD
+from voxserve.client.client import DEFAULT_MAX_MESSAGE_BYTES, _channel_options
 
 
 def free_port() -> int:
@@ -152,8 +153,6 @@ async def open_loop(url: str, payload: bytes, rate_per_s: float, duration_s: flo
     """Send ``payload`` at ``rate_per_s`` for ``duration_s`` whatever the answers; wait for every answer.
 
     ``during``: an optional callable run (in a thread) at half time, e.g. to signal the server."""
-    from voxserve.client.client import DEFAULT_MAX_MESSAGE_BYTES, _channel_options
-
     report = LoadReport()
     loop = asyncio.get_running_loop()
     async with grpc.aio.insecure_channel(url, options=_channel_options(DEFAULT_MAX_MESSAGE_BYTES)) as channel:
@@ -179,8 +178,6 @@ async def open_loop(url: str, payload: bytes, rate_per_s: float, duration_s: flo
 async def closed_loop(url: str, payload: bytes, concurrency: int, duration_s: float, *,
                       timeout_s: float = 30.0) -> LoadReport:
     """``concurrency`` requests always outstanding for ``duration_s``: the server's capacity for this payload."""
-    from voxserve.client.client import DEFAULT_MAX_MESSAGE_BYTES, _channel_options
-
     report = LoadReport()
     loop = asyncio.get_running_loop()
     async with grpc.aio.insecure_channel(url, options=_channel_options(DEFAULT_MAX_MESSAGE_BYTES)) as channel:
