@@ -17,7 +17,8 @@ import pytest
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from voxserve.client import Client, InferenceError
+from voxserve.client import Client, InferenceError, build_request
+from voxserve.proto import pb_grpc
 
 from .conftest import REPO, running_server
 
@@ -198,9 +199,15 @@ def test_concurrent_rpc_limit_bounds_what_the_server_holds():
         watcher = threading.Thread(target=watch)
         watcher.start()
 
-        def one() -> np.ndarray:
-            with Client(srv.url, timeout_s=30) as c:  # a connection each: the server-wide limit is what counts
-                return c.infer(_x(1))
+        def one() -> None:
+            # A connection each (gRPC shares connections between a process's channels unless told not to), so
+            # the server-wide limit is what is tested, not the per-connection stream limit.
+            with grpc.insecure_channel(srv.url, options=[("grpc.use_local_subchannel_pool", 1)]) as ch:
+                try:
+                    pb_grpc.GRPCInferenceServiceStub(ch).ModelInfer(build_request(_x(1), "voxnet", "FP32"),
+                                                                    timeout=30)
+                except grpc.RpcError as exc:
+                    raise InferenceError.from_rpc(exc) from None
 
         with ThreadPoolExecutor(6) as pool:
             futures = [pool.submit(one) for _ in range(6)]
