@@ -7,20 +7,7 @@ set -uo pipefail
 OUT=${OUT:-$PWD/device-out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
-if compgen -G ".whl/*.whl" > /dev/null; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-  export PYTHONPATH=/tmp/site
-fi
-if ! python3 -m pip install -q --no-index --no-build-isolation --no-deps -e . 2>&1 | tail -2 \
-    || ! python3 -c "import voxserve.server.app" 2>/dev/null; then
-  # Offline fallback: lay the namespace out with links (proto/ -> voxserve/proto, ...).
-  mkdir -p /tmp/pkg/voxserve
-  for f in voxserve/*.py; do ln -sf "$PWD/$f" /tmp/pkg/voxserve/; done
-  for d in proto server kernels client; do ln -sfn "$PWD/$d" /tmp/pkg/voxserve/$d; done
-  ln -sfn "$PWD/voxserve/testing" /tmp/pkg/voxserve/testing
-  export PYTHONPATH=/tmp/pkg${PYTHONPATH:+:$PYTHONPATH}
-fi
-python3 -c "import voxserve.server.app, voxserve.kernels; print('voxserve imports ok')" || exit 1
+source bench/device_env.sh || exit 1
 nvidia-smi --query-gpu=name,driver_version,clocks.max.sm,memory.total --format=csv | tee "$OUT/gpu.txt"
 python3 - <<'PY' 2>&1 | tee "$OUT/build.txt"
 import time

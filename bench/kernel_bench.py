@@ -1,4 +1,4 @@
-"""Kernel benchmark: eager PyTorch (TF32 off/on), torch.compile, and the fused op (plain and CUDA graph).
+"""Kernel benchmark: eager PyTorch (TF32 off/on), torch.compile, and the fused op (plain, TF32 mode, CUDA graph).
 
     python bench/kernel_bench.py [--out bench/results] [--iters 50]
 
@@ -118,6 +118,7 @@ def main(argv=None) -> int:
         # correctness of every timed path on this shape, once
         ref = reference_float64(inputs[0], w, b)
         err = float((fused_forward(inputs[0], w, b).double().cpu() - ref).norm() / ref.norm())
+        err_tf32 = float((fused_forward(inputs[0], w, b, "tf32").double().cpu() - ref).norm() / ref.norm())
 
         results = {}
         torch.backends.cudnn.allow_tf32 = False
@@ -131,6 +132,8 @@ def main(argv=None) -> int:
             label = "fused" if variant == 0 else f"fused v{variant}"
             results[label] = time_fn(lambda x, v=variant: cuda_kernels.forward(x, w, b, v), inputs, args.iters,
                                      block)
+        results["fused tf32"] = time_fn(lambda x: cuda_kernels.forward(x, w, b, 0, "tf32"), inputs, args.iters,
+                                        block)
         cache = GraphCache(w, b, min_uses=1, max_input_bytes=1 << 40)
         cache.note(inputs[0])
         entry = cache.lookup(inputs[0])
@@ -143,18 +146,19 @@ def main(argv=None) -> int:
         results["fused graph"] = time_fn(graph_call, graph_inputs, args.iters, block)
         results["fused graph (replay only)"] = time_fn(lambda x, entry=entry: entry.replay(), graph_inputs,
                                                        args.iters, block)
-        rows.append((shape, fma_floor, dram_floor, err, results))
+        rows.append((shape, fma_floor, dram_floor, err, err_tf32, results))
         line = "  ".join(f"{k} {v * 1e6:8.1f} us" for k, v in results.items())
         print(f"{shape}: FMA floor {fma_floor * 1e6:.1f} us, DRAM floor {dram_floor * 1e6:.1f} us, "
-              f"rel err {err:.1e}\n    {line}", flush=True)
+              f"rel err {err:.1e} (tf32 {err_tf32:.1e})\n    {line}", flush=True)
 
-    columns = list(rows[0][4])
-    header = "| shape | FMA floor | DRAM floor | " + " | ".join(columns) + " | fused rel. err |"
-    sep = "|" + "---|" * (len(columns) + 4)
+    columns = list(rows[0][5])
+    header = "| shape | FMA floor | DRAM floor | " + " | ".join(columns) + " | fused rel. err | tf32 rel. err |"
+    sep = "|" + "---|" * (len(columns) + 5)
     table = [header, sep]
-    for shape, ff, df, err, res in rows:
+    for shape, ff, df, err, err_tf32, res in rows:
         cells = " | ".join(f"{res[c] * 1e6:.1f}" for c in columns)
-        table.append(f"| {'x'.join(map(str, shape))} | {ff * 1e6:.1f} | {df * 1e6:.1f} | {cells} | {err:.1e} |")
+        table.append(f"| {'x'.join(map(str, shape))} | {ff * 1e6:.1f} | {df * 1e6:.1f} | {cells} | {err:.1e} "
+                     f"| {err_tf32:.1e} |")
     text = "\n".join(table)
     print("\nmicroseconds per call (median)\n" + text)
 

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from .ops import _fused_forward_op
+from .ops import _fused_forward_op, check_precision
 from .reference import reference
 
 log = logging.getLogger(__name__)
@@ -35,11 +35,12 @@ NVCC_FLAGS = ("-O3", "-std=c++17", "-shared", "-Xcompiler", "-fPIC", "-lineinfo"
 DEFAULT_ARCHS = ("9.0",)  # H100 / H200
 GENERAL_MAX_COUT = 64
 # Kernel choice for the reference configuration (make_plan in csrc/fused.cu): 0 chooses, 1 forces the
-# tile kernel, 2 the sliding-window kernel, 3 the tensor-core (3xTF32) kernel, 4 the sliding-window
-# kernel with each voxel's channels split over 2 lanes (the default); 2-4 take contiguous float32 input
+# tile kernel, 2 the sliding-window kernel, 3 the tensor-core kernel (3xTF32; the default), 4 the
+# sliding-window kernel with each voxel's channels split over 2 lanes; 2-4 take contiguous float32 input
 # only, other inputs fall back to the tile kernel.
 VARIANTS = (1, 2, 3, 4)
 _DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+_PRECISION_CODES = {"fp32": 0, "tf32": 1}  # ops.PRECISIONS
 
 
 class KernelBuildError(RuntimeError):
@@ -153,7 +154,8 @@ class _Library:
         lib.voxserve_is_specialised.restype = i
         lib.voxserve_workspace_floats.argtypes = [ctypes.POINTER(ll), i, i]
         lib.voxserve_workspace_floats.restype = ll
-        lib.voxserve_forward.argtypes = [p, i, ctypes.POINTER(ll), ctypes.POINTER(ll), i, i, f, f, f, f, f, f, i, i, p]
+        lib.voxserve_forward.argtypes = [p, i, ctypes.POINTER(ll), ctypes.POINTER(ll), i, i, f, f, f, f, f, f, i, i, i,
+                                         p]
         lib.voxserve_forward.restype = i
         self.lib = lib
         self.path = path
@@ -227,8 +229,10 @@ class _HostWeights:
 _host_weights = _HostWeights()
 
 
-def forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, variant: int = 0) -> torch.Tensor:
+def forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, variant: int = 0,
+            precision: str = "fp32") -> torch.Tensor:
     """Launch the fused kernel on PyTorch's current stream; (N, Cout) float32 on x's device."""
+    check_precision(precision)
     n, cin, d, h, w = x.shape
     cout, k = int(weight.shape[0]), int(weight.shape[2])
     lib = library().lib
@@ -252,12 +256,13 @@ def forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, variant: 
     stream = torch.cuda.current_stream(x.device).cuda_stream
     rc = lib.voxserve_forward(
         x.data_ptr(), _DTYPE_CODES[x.dtype], sizes, strides, cout, k, weight.data_ptr(), bias.data_ptr(),
-        w_host_ptr, b_host_ptr, out.data_ptr(), workspace.data_ptr(), variant, x.device.index or 0, stream)
+        w_host_ptr, b_host_ptr, out.data_ptr(), workspace.data_ptr(), variant, _PRECISION_CODES[precision],
+        x.device.index or 0, stream)
     if rc != 0:
         raise RuntimeError(f"voxserve::fused_forward: {lib.voxserve_last_error().decode()}")
     return out
 
 
 @_fused_forward_op.register_kernel("cuda")
-def _(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
-    return forward(x, weight, bias)
+def _(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, precision: str = "fp32") -> torch.Tensor:
+    return forward(x, weight, bias, precision=precision)

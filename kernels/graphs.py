@@ -36,8 +36,8 @@ class GraphEntry:
 
 class GraphCache:
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor, *, max_graphs: int = 32,
-                 max_input_bytes: int = 16 * 1024 * 1024, min_uses: int = 2) -> None:
-        self.weight, self.bias = weight, bias
+                 max_input_bytes: int = 16 * 1024 * 1024, min_uses: int = 2, precision: str = "fp32") -> None:
+        self.weight, self.bias, self.precision = weight, bias, precision
         self.device = weight.device
         self.max_graphs, self.max_input_bytes, self.min_uses = max_graphs, max_input_bytes, min_uses
         self._graphs: OrderedDict[tuple, GraphEntry] = OrderedDict()
@@ -80,7 +80,7 @@ class GraphCache:
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):  # warm-up outside capture, as graph capture requires
-            fused_forward(static_in, self.weight, self.bias)
+            fused_forward(static_in, self.weight, self.bias, self.precision)
         torch.cuda.current_stream(self.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         # thread_local: the runner's other threads (collecting finished work, other GPUs) keep using CUDA while
@@ -88,5 +88,5 @@ class GraphCache:
         # An explicit capture stream on this cache's device: torch's default capture stream belongs to whichever
         # device was current when it was first made, and a capture must begin and end on one device's stream.
         with torch.cuda.graph(graph, stream=self._capture_stream, capture_error_mode="thread_local"):
-            static_out = fused_forward(static_in, self.weight, self.bias)
+            static_out = fused_forward(static_in, self.weight, self.bias, self.precision)
         return GraphEntry(graph, static_in, static_out)

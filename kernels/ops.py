@@ -1,4 +1,4 @@
-"""The op boundary: ``fused_forward(x, weight, bias) -> (N, Cout)`` float32.
+"""The op boundary: ``fused_forward(x, weight, bias, precision="fp32") -> (N, Cout)`` float32.
 
 One custom op, ``voxserve::fused_forward``, declared once with torch.library.
 Its CPU implementation is the reference (computed in float32, in batch chunks
@@ -18,6 +18,13 @@ from .reference import reference
 _CPU_CHUNK_BYTES = 64 * 1024 * 1024
 
 SUPPORTED_INPUT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+# Arithmetic modes. "fp32": float32 products and sums everywhere (3xTF32 on the tensor cores keeps float32
+# accuracy). "tf32": the tensor-core kernel multiplies in TF32 (inputs and weights rounded to 10-bit
+# mantissas, float32 accumulation); other kernels, and the CPU, stay float32.
+PRECISIONS = ("fp32", "tf32")
+# Relative error bound (Frobenius norm over the (N, Cout) output, against float64) each mode is tested to.
+ERROR_BOUNDS = {"fp32": 1e-5, "tf32": 5e-3}
 
 
 def check_arguments(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> None:
@@ -41,6 +48,11 @@ def check_arguments(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -
         raise ValueError(f"weight and bias must be float32; got {weight.dtype} and {bias.dtype}")
 
 
+def check_precision(precision: str) -> None:
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}; got {precision!r}")
+
+
 def _cpu_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
     n, _, d, h, w = x.shape
     cout, k = weight.shape[0], weight.shape[2]
@@ -55,21 +67,24 @@ def _cpu_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> t
 
 
 @torch.library.custom_op("voxserve::fused_forward", mutates_args=())
-def _fused_forward_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
-    # The default implementation serves the CPU; CUDA gets the fused kernel (cuda.py).
+def _fused_forward_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
+                      precision: str = "fp32") -> torch.Tensor:
+    # The default implementation serves the CPU (float32 in every mode); CUDA gets the fused kernel (cuda.py).
     return _cpu_forward(x, weight, bias)
 
 
 @_fused_forward_op.register_fake
-def _(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+def _(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, precision: str = "fp32") -> torch.Tensor:
     return x.new_empty((x.shape[0], weight.shape[0]), dtype=torch.float32)
 
 
-def fused_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+def fused_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, precision: str = "fp32") -> torch.Tensor:
     """The whole model in one op: (N, Cin, D, H, W) -> (N, Cout) float32 on x's device.
 
     x may be float32, float16 or bfloat16 (converted to float32 on load) and
     need not be contiguous; weight and bias are float32 on x's device.
+    precision: "fp32" (default) or "tf32" (PRECISIONS).
     """
     check_arguments(x, weight, bias)
-    return torch.ops.voxserve.fused_forward(x, weight, bias)
+    check_precision(precision)
+    return torch.ops.voxserve.fused_forward(x, weight, bias, precision)

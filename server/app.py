@@ -144,7 +144,7 @@ class VoxServer:
         models = []
         t0 = time.perf_counter()
         for device, kernel in chosen:
-            model = Model(weights, device, kernel, s.max_batch)
+            model = Model(weights, device, kernel, s.max_batch, s.precision)
             err = model.warm_up()
             log.info("warm-up on %s matched the float64 reference (relative error %.1e)", device, err)
             models.append(model)

@@ -22,6 +22,7 @@ class Settings:
     metrics_port: int = 8002
     device: str = "auto"
     devices: str = ""
+    precision: str = "fp32"
     model_name: str = "voxnet"
     model_version: str = "1"
     max_message_bytes: int = 128 * MiB
@@ -58,6 +59,9 @@ _FLAGS: Sequence[tuple[str, str, Any, str]] = (
     ("--devices", "devices", str,
      "serve on several GPUs: 'all' or indices like '0,1' (one runner each, batches go to the least busy); "
      "overrides --device"),
+    ("--precision", "precision", str,
+     "fp32 (results within 1e-5 of float64) or tf32 (on a GPU the tensor-core kernel multiplies in TF32: "
+     "faster, relative error within 5e-3; the CPU path stays float32)"),
     ("--model-name", "model_name", str, "the model's name in the protocol and in metric labels"),
     ("--model-version", "model_version", str, "the model's version string"),
     ("--max-message-bytes", "max_message_bytes", int,
@@ -153,6 +157,7 @@ def validate(s: Settings) -> None:
     need(s.devices in ("", "all") or all(p.isdigit() for p in s.devices.split(",")), "--devices", s.devices,
          "must be 'all' or comma-separated GPU indices like 0,1")
     need(not (s.devices and s.device == "cpu"), "--devices", s.devices, "cannot be combined with --device cpu")
+    need(s.precision in ("fp32", "tf32"), "--precision", s.precision, "must be fp32 or tf32")
     need(bool(s.model_name) and s.model_name.replace("_", "").replace("-", "").replace(".", "").isalnum(),
          "--model-name", s.model_name, "must be letters, digits, '_', '-' or '.'")
     need(1024 <= s.max_message_bytes <= 2**31 - 1, "--max-message-bytes", s.max_message_bytes,

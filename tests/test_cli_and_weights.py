@@ -108,6 +108,7 @@ def test_generated_protocol_code_is_current():
     (["--devices", "0,x"], "--devices='0,x': must be 'all' or comma-separated GPU indices"),
     (["--devices", "all", "--device", "cpu"], "cannot be combined with --device cpu"),
     (["--max-request-voxels", "0"], "--max-request-voxels=0: must be >= 1"),
+    (["--precision", "bf16"], "--precision='bf16': must be fp32 or tf32"),
 ])
 def test_serve_flags_are_validated(flags, message):
     from voxserve.cli import build_parser
@@ -124,3 +125,17 @@ def test_devices_without_a_gpu_is_a_clear_start_up_error():
     with pytest.raises(RuntimeError, match="--devices all: no CUDA device is visible"):
         select_devices("auto", "all")
     assert select_devices("auto", "")[0][1] == "reference-cpu"
+
+
+def test_tf32_precision_on_the_cpu_serves_float32_numbers(rng):
+    from voxserve.kernels import reference_float64
+    from voxserve.server.model import Model
+    from voxserve.server.weights import default_weights
+
+    weights = default_weights()
+    model = Model(weights, torch.device("cpu"), "reference-cpu", 8, precision="tf32")
+    assert model.precision == "fp32" and model.kernel == "reference-cpu"  # the label never claims TF32 on the CPU
+    x = torch.randn(3, 3, 6, 7, 8, generator=rng)
+    out = model.forward(x)
+    ref = reference_float64(x, weights.weight, weights.bias)
+    assert float((out.double() - ref).norm() / ref.norm()) <= 1e-5

@@ -10,8 +10,8 @@ import random
 import pytest
 import torch
 
+from voxserve.kernels import ERROR_BOUNDS, fused_forward, reference_float64
 from voxserve.kernels import cuda as cuda_kernels
-from voxserve.kernels import fused_forward, reference_float64
 from voxserve.kernels.graphs import GraphCache
 from voxserve.server.model import relative_error
 
@@ -91,6 +91,26 @@ def test_reference_configuration_all_variants(rng, shape, variant):
     assert relative_error(out, reference_float64(x, w, b)) <= FP32_TOL
 
 
+@pytest.mark.parametrize("shape", [(128, 3, 16, 32, 32), (1, 3, 16, 32, 32), (2, 3, 32, 64, 64), (2, 3, 5, 40, 72),
+                                   (3, 3, 3, 3, 3)])
+def test_tf32_mode_within_its_stated_bound(rng, shape):
+    bound = ERROR_BOUNDS["tf32"]
+    for scale in (1.0 / 27**0.5, 1.0):  # unit-variance logits, and logits ~5x larger
+        w, b = _weights(rng, 16, 3, 3, scale=scale)
+        x = torch.randn(shape, generator=rng).to(DEV)
+        ref = reference_float64(x, w, b)
+        tf32 = fused_forward(x, w, b, "tf32")
+        err = relative_error(tf32, ref)
+        print(f"{shape} scale {scale:.2f}: tf32 relative error {err:.2e}")
+        assert err <= bound
+        if shape[4] % 4 == 0:  # contiguous float32 rows of whole 16-byte pieces: the tensor-core kernel's input
+            # The mode really multiplies in TF32 there (results differ from the float32 path).
+            assert not torch.equal(tf32, fused_forward(x, w, b))
+    # Inputs the tensor-core kernel does not take (non-contiguous, float16) stay float32 in tf32 mode.
+    xs = torch.randn(shape, generator=rng).to(DEV).transpose(3, 4)
+    assert relative_error(fused_forward(xs, w, b, "tf32"), reference_float64(xs, w, b)) <= FP32_TOL
+
+
 def test_large_activations_do_not_overflow(rng):
     w, b = _weights(rng, 16, 3, 3, scale=30.0)  # logits in the hundreds: softmax must subtract the max
     x = torch.randn(2, 3, 8, 9, 10, generator=rng).to(DEV)
@@ -136,13 +156,14 @@ def test_opcheck_cuda(rng):
     for cout, cin, k in ((16, 3, 3), (5, 2, 2)):
         w, b = _weights(rng, cout, cin, k)
         x = torch.randn(2, cin, 6, 7, 8, generator=rng).to(DEV)
-        torch.library.opcheck(torch.ops.voxserve.fused_forward.default, (x, w, b),
-                              test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_static"))
+        for args in ((x, w, b), (x, w, b, "tf32")):
+            torch.library.opcheck(torch.ops.voxserve.fused_forward.default, args,
+                                  test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_static"))
 
 
 def test_cuda_graph_cache_matches_eager_bits(rng):
     w, b = _weights(rng, 16, 3, 3)
-    cache = GraphCache(w, b, min_uses=1)
+    cache, cache_tf32 = GraphCache(w, b, min_uses=1), GraphCache(w, b, min_uses=1, precision="tf32")
     for shape in ((1, 3, 16, 32, 32), (3, 3, 5, 9, 17)):
         x = torch.randn(shape, generator=rng).to(DEV)
         eager = fused_forward(x, w, b)
@@ -158,6 +179,8 @@ def test_cuda_graph_cache_matches_eager_bits(rng):
             assert relative_error(out, reference_float64(x2, w, b)) <= FP32_TOL
         entry.stage(x)
         assert torch.equal(entry.replay(), eager)
+        cache_tf32.note(x)  # the graph runs the mode it was made for
+        assert torch.equal(cache_tf32.lookup(x).replay(), fused_forward(x, w, b, "tf32"))
     assert len(cache) == 2
 
 
@@ -189,6 +212,22 @@ def test_server_serves_the_fused_kernel(rng):
                     y16 = c.infer(x.astype(np.float16), datatype="FP16")
                     ref16 = reference_float64(torch.from_numpy(x.astype(np.float16)), w, b)
                     assert relative_error(torch.from_numpy(y16), ref16) <= FP32_TOL
+
+
+def test_server_in_tf32_mode(rng):
+    from voxserve.client import Client
+
+    from .conftest import running_server
+
+    with running_server(device="cuda", precision="tf32") as srv:
+        assert srv.wait_ready(), srv.server.load_error
+        with Client(srv.url) as c:
+            assert c.model_config().parameters["kernel"].string_value == "fused-cuda+tf32"
+            w, b = srv.server.state.runner.model.weights.weight, srv.server.state.runner.model.weights.bias
+            for shape in ((4, 3, 16, 32, 32), (1, 3, 16, 32, 32)):
+                x = torch.randn(shape, generator=rng).numpy()
+                ref = reference_float64(torch.from_numpy(x), w, b)
+                assert relative_error(torch.from_numpy(c.infer(x)), ref) <= ERROR_BOUNDS["tf32"]
 
 
 def test_under_torch_compile(rng):

@@ -81,10 +81,13 @@ def test_op_rejects_bad_arguments():
         fused_forward(torch.zeros(3, 5, 5, 5), w, b)
     with pytest.raises(ValueError, match="float32, float16 or bfloat16"):
         fused_forward(torch.zeros(1, 3, 5, 5, 5, dtype=torch.float64), w, b)
+    with pytest.raises(ValueError, match="precision must be one of fp32, tf32; got 'fp16'"):
+        fused_forward(torch.zeros(1, 3, 5, 5, 5), w, b, "fp16")
 
 
 def test_opcheck_cpu(rng):
     w, b = reference_weights()
     x = torch.randn(2, 3, 5, 6, 7, generator=rng)
-    torch.library.opcheck(torch.ops.voxserve.fused_forward.default, (x, w, b),
-                          test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_static"))
+    for args in ((x, w, b), (x, w, b, "tf32")):
+        torch.library.opcheck(torch.ops.voxserve.fused_forward.default, args,
+                              test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_static"))

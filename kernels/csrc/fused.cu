@@ -30,6 +30,7 @@
 
 #include <cstdint>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <type_traits>
 
@@ -62,6 +63,13 @@ __device__ __forceinline__ float to_f32<__nv_bfloat16>(__nv_bfloat16 v) { return
 __device__ __forceinline__ float fast_exp2(float x) {
   float y;
   asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+// 1/x to within 1 ulp (x is a softmax denominator: >= 1, finite or +inf).
+__device__ __forceinline__ float fast_rcp(float x) {
+  float y;
+  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
   return y;
 }
 
@@ -329,11 +337,48 @@ __global__ void __launch_bounds__(kMaxThreads, CSPLIT == 1 ? 2 : 3)
 
 // ---------------------------------------------------------------------------
 // Tensor-core kernel (reference configuration, contiguous float32): implicit GEMM on mma.sync
-// m16n8k8 TF32 with the 3xTF32 split (a*b ~ a_hi*b_hi + a_hi*b_lo + a_lo*b_hi), which keeps the conv
-// at float32 accuracy. M = 16 voxels along W, N = 16 output channels (two n8 tiles), K = 81 taps
-// padded to 88 (11 k-steps; the padding taps have zero weights). Staging and the sliding window
-// along D are the window kernel's; the epilogue's softmax runs across the 4 lanes of a quad, which
-// together hold a voxel's 16 channels.
+// m16n8k4 TF32. TERMS = 3 keeps float32 accuracy with the 3xTF32 split
+// (a*b ~ a_hi*b_lo + a_lo*b_hi + a_hi*b_hi, hi = tf32(a), lo = tf32(a - hi)); TERMS = 1 is plain TF32
+// (the tf32 precision mode).
+//
+// GEMM: M = 16 output channels, N = voxels, K = taps. The 81 taps are 27 input rows (ci, kd, kh) x 3 kw;
+// lane tig (= lane % 4) holds the K slot of every k-step for the rows r = 4p + tig (p = 0..6), k-step
+// q = 3p + kw (21 k-steps; 84 slots, the 3 padding slots have zero weights). The weights are the A
+// operand, split and kept in registers for the whole block. The input is the B operand, one register
+// per MMA: a warp computes one output row of 32 voxels at a time as 4 n-tiles, lane gid (= lane / 4)
+// being voxel 4*gid + j of n-tile j, so for one input row a lane needs the 6 inputs 4*gid .. 4*gid+5 for
+// all 12 (voxel, kw) pairs, two 16-byte shared-memory loads per split term, each value used as it
+// was loaded (no register moves to assemble operand fragments).
+//
+// Staging: a ring of K+1 input planes, already split into hi and lo (converted once per staged
+// element, not once per use). Plane od+K is copied with cp.async into its ring slot (which held plane
+// od-1) while plane od is computed; each thread then splits the chunks it copied itself, in place.
+// The ring's strides make every load conflict-free: row pitch 40 floats (= 8 mod 32), channel stride
+// = 8 mod 32 floats, slot stride = 24 mod 32, so the 4 rows a warp's 4 tig groups load at once start in
+// 4 different 8-bank groups (row r's group is r mod 4 plus a constant, and r = tig mod 4).
+// Epilogue: a voxel's 16 channels lie in the 8 lanes of one tig (2 per lane); softmax by shuffles.
+constexpr int kTcPitch = 40;   // floats per staged row (34 used: 32 columns + K-1 halo, read as 2 x float4)
+constexpr int kTcTileW = 32;   // output columns per block
+constexpr int kTcChunks = 9;   // float4 chunks staged per row (columns 0..35)
+constexpr int kTcRows = 27;    // input rows (ci, kd, kh) of the reference configuration
+constexpr int kTcSteps = 21;   // k-steps of 4 slots: 7 rows x 3 kw per tig
+constexpr int kTcMaxWarps = 6;
+constexpr int kTcMaxThreads = 32 * kTcMaxWarps;
+constexpr int kTcMaxTy = 18;  // rows per tile (shared memory: 4 planes x 3 channels x (ty + 2) rows, hi and lo)
+
+struct TcLayout {
+  int in_h, cs, ss, ring_floats;  // staged rows per plane, channel stride, slot stride, one ring (hi or lo)
+};
+
+__host__ __device__ inline TcLayout tc_layout(int ty) {
+  TcLayout l;
+  l.in_h = ty + 2;
+  l.cs = l.in_h * kTcPitch;
+  l.cs += ((8 - l.cs % 32) + 32) % 32;  // channel stride = 8 (mod 32)
+  l.ss = 3 * l.cs;                      // slot stride = 24 (mod 32)
+  l.ring_floats = 4 * l.ss;
+  return l;
+}
 
 __device__ __forceinline__ uint32_t tf32_bits(float x) {
   uint32_t r;
@@ -341,156 +386,214 @@ __device__ __forceinline__ uint32_t tf32_bits(float x) {
   return r;
 }
 
-__device__ __forceinline__ void mma_tf32(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
-                                         uint32_t b0, uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-      "{%0,%1,%2,%3};\n"
+__device__ __forceinline__ void mma_tf32_k4(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t b0) {
+  asm("mma.sync.aligned.m16n8k4.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5}, {%6}, {%0,%1,%2,%3};\n"
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+      : "r"(a0), "r"(a1), "r"(b0));
 }
 
-// Softmax of one voxel whose 16 channels are spread over a quad (4 values per lane), added to psum.
-__device__ __forceinline__ void quad_softmax_accumulate(float (&v)[4], float scale, float (&psum)[4]) {
-  float m = 0.0f;
-#pragma unroll
-  for (int j = 0; j < 4; ++j) {
-    v[j] = activation(v[j]);
-    m = fmaxf(m, v[j]);
+// Staging of one input plane, (ci, r, q) = channel, staged row, float4 chunk. With R = blockDim.x / 9,
+// thread tid < 9R takes chunk q = tid % 9 of rows tid / 9, +R, +2R, ... (all 3 channels' rows in turn);
+// the same thread later splits what it copied.
+template <typename F>
+__device__ __forceinline__ void tc_for_my_chunks(int in_h, F f) {
+  const int tid = threadIdx.x, rows_at_once = blockDim.x / kTcChunks;
+  if (tid >= rows_at_once * kTcChunks) return;
+  const int q = tid % kTcChunks;
+  int ci = 0, r = tid / kTcChunks;
+  while (r >= in_h) { r -= in_h; ++ci; }
+  while (ci < 3) {
+    f(ci, r, q);
+    r += rows_at_once;
+    while (r >= in_h) { r -= in_h; ++ci; }
   }
-  m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 1));
-  m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 2));
-  const float ml = m * kLog2e;
-  float sum = 0.0f;
-#pragma unroll
-  for (int j = 0; j < 4; ++j) {
-    v[j] = fast_exp2(fmaf(v[j], kLog2e, -ml));
-    sum += v[j];
-  }
-  sum += __shfl_xor_sync(0xffffffffu, sum, 1);
-  sum += __shfl_xor_sync(0xffffffffu, sum, 2);
-  const float inv = scale * __frcp_rn(sum);
-#pragma unroll
-  for (int j = 0; j < 4; ++j) psum[j] = fmaf(v[j], inv, psum[j]);
 }
 
-template <int TILE_W, int PITCH>
-__global__ void __launch_bounds__(kMaxThreads, 1)
-    fused_mma_kernel(const float* __restrict__ x, const Shape s, const __grid_constant__ ConvWeights<3, 16, 3> p,
-                     float* __restrict__ partials, int tiles_w, int tiles_hw, int planes, int chunks, int ty_count) {
-  constexpr int CIN = 3, COUT = 16, K = 3, kTaps = CIN * K * K * K, kSteps = (kTaps + 7) / 8, kSlots = K + 1;
-  constexpr int kSegs = TILE_W / 16;
-  extern __shared__ __align__(16) float ring[];  // [kSlots][CIN][in_h][PITCH]
-  const int in_h = ty_count + K - 1;
-  const int slot_floats = CIN * in_h * PITCH;
+// Issue the cp.async copies of input plane d (3 channels, rows h0.., columns w0..w0+35) into ring slot
+// `slot` of the hi ring, as one commit group (zero-filled outside the input).
+__device__ __forceinline__ void tc_copy_plane(const float* __restrict__ xn, const Shape& s, int d, int h0, int w0,
+                                              const TcLayout& l, float* __restrict__ hi, int slot) {
+  const float* plane = xn + (long long)d * s.sd;
+  float* dst_slot = hi + slot * l.ss;
+  tc_for_my_chunks(l.in_h, [&](int ci, int r, int q) {
+    const int gh = h0 + r, gw = w0 + 4 * q;
+    const bool inside = gh < s.h && gw < s.w;
+    const float* src = inside ? plane + ci * s.sc + (long long)gh * s.sh + gw : xn;
+    const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(dst_slot + ci * l.cs + r * kTcPitch + 4 * q));
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(inside ? 16 : 0));
+  });
+  asm volatile("cp.async.commit_group;\n" ::);
+}
+
+// Split this thread's chunks of ring slot `slot` in place: hi = tf32(x), lo = tf32(x - hi).
+template <int TERMS>
+__device__ __forceinline__ void tc_split_plane(const TcLayout& l, float* __restrict__ hi, float* __restrict__ lo,
+                                               int slot) {
+  tc_for_my_chunks(l.in_h, [&](int ci, int r, int q) {
+    const int off = slot * l.ss + ci * l.cs + r * kTcPitch + 4 * q;
+    const float4 v = *reinterpret_cast<const float4*>(hi + off);
+    const float x[4] = {v.x, v.y, v.z, v.w};
+    float h[4], o[4];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      h[j] = __uint_as_float(tf32_bits(x[j]));
+      o[j] = __uint_as_float(tf32_bits(x[j] - h[j]));
+    }
+    *reinterpret_cast<float4*>(hi + off) = make_float4(h[0], h[1], h[2], h[3]);
+    if (TERMS == 3) *reinterpret_cast<float4*>(lo + off) = make_float4(o[0], o[1], o[2], o[3]);
+  });
+}
+
+template <int TERMS>
+__global__ void __launch_bounds__(kTcMaxThreads, 2)
+    fused_tc_kernel(const float* __restrict__ x, const Shape s, const __grid_constant__ ConvWeights<3, 16, 3> p,
+                    float* __restrict__ partials, int tiles_w, int tiles_hw, int planes, int chunks, int ty) {
+  constexpr int kTaps = 81;
+  extern __shared__ __align__(16) float tc_smem[];
+  const TcLayout l = tc_layout(ty);
+  float* hi = tc_smem;
+  float* lo = tc_smem + l.ring_floats;  // unused when TERMS == 1
   const int tile = blockIdx.x, chunk = blockIdx.y, n = blockIdx.z;
-  const int h0 = (tile / tiles_w) * ty_count, w0 = (tile % tiles_w) * TILE_W;
+  const int h0 = (tile / tiles_w) * ty, w0 = (tile % tiles_w) * kTcTileW;
   const int d_begin = chunk * planes, d_end = min(d_begin + planes, s.od);
   const float* xn = x + n * s.sn;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
   const int gid = lane >> 2, tig = lane & 3;
 
-  for (int kd = 0; kd < K; ++kd) prefetch_plane<CIN, PITCH>(xn, s, d_begin + kd, h0, w0, in_h, ring, (d_begin + kd) % kSlots);
-  prefetch_plane<CIN, PITCH>(xn, s, d_begin + K, h0, w0, in_h, ring, (d_begin + K) % kSlots);
+  // Planes d_begin .. d_begin+2, split once they land (after the weights are set up).
+  for (int kd = 0; kd < 3; ++kd) tc_copy_plane(xn, s, d_begin + kd, h0, w0, l, hi, (d_begin + kd) & 3);
 
-  // B fragments (weights), split hi/lo: b[j] at tap 8*step + tig + 4*j, channel 8*nt + gid.
-  uint32_t bhi[kSteps][2][2], blo[kSteps][2][2];
-  // A addressing: tap 8*step + tig + 4*j -> its kd and its offset within a ring slot.
-  int tap_kd[kSteps][2], tap_off[kSteps][2];
-#pragma unroll
-  for (int st = 0; st < kSteps; ++st) {
-#pragma unroll
-    for (int j = 0; j < 2; ++j) {
-      const int tap = 8 * st + tig + 4 * j;
-      const bool real = tap < kTaps;
-      const int t = real ? tap : 0;  // padding taps read tap 0's input (finite where the voxel is) x 0
-      const int ci = t / 27, kd = (t / 9) % 3, kh = (t / 3) % 3, kw = t % 3;
-      tap_kd[st][j] = kd;
-      tap_off[st][j] = (ci * in_h + kh) * PITCH + kw;
-#pragma unroll
-      for (int nt = 0; nt < 2; ++nt) {
-        const float w = real ? p.w[(8 * nt + gid) * kTaps + tap] : 0.0f;
-        const uint32_t hi = tf32_bits(w);
-        bhi[st][nt][j] = hi;
-        blo[st][nt][j] = tf32_bits(w - __uint_as_float(hi));
-      }
-    }
-  }
-  float bias[2][2];
-#pragma unroll
-  for (int nt = 0; nt < 2; ++nt)
-#pragma unroll
-    for (int e = 0; e < 2; ++e) bias[nt][e] = p.b[8 * nt + 2 * tig + e];
-
-  float psum[4] = {0.0f, 0.0f, 0.0f, 0.0f};  // channels 2*tig, 2*tig+1, 8+2*tig, 9+2*tig
-  const int mtiles = ty_count * kSegs;
-  for (int od = d_begin; od < d_end; ++od) {
-    asm volatile("cp.async.wait_group 1;\n" ::);
-    __syncthreads();
-    int a_off[kSteps][2];
-#pragma unroll
-    for (int st = 0; st < kSteps; ++st)
-#pragma unroll
-      for (int j = 0; j < 2; ++j) a_off[st][j] = ((od + tap_kd[st][j]) % kSlots) * slot_floats + tap_off[st][j];
-
-    for (int t = warp; t < mtiles; t += nwarps) {
-      const int row = t / kSegs, seg = t - row * kSegs;
-      const float* base = ring + row * PITCH + seg * 16 + gid;
-      float c[2][4];
-#pragma unroll
-      for (int nt = 0; nt < 2; ++nt) {
-        c[nt][0] = c[nt][2] = bias[nt][0];
-        c[nt][1] = c[nt][3] = bias[nt][1];
-      }
-#pragma unroll
-      for (int st = 0; st < kSteps; ++st) {
-        const float v0 = base[a_off[st][0]], v1 = base[a_off[st][0] + 8];
-        const float v2 = base[a_off[st][1]], v3 = base[a_off[st][1] + 8];
-        const uint32_t h0b = tf32_bits(v0), h1b = tf32_bits(v1), h2b = tf32_bits(v2), h3b = tf32_bits(v3);
-        const uint32_t l0 = tf32_bits(v0 - __uint_as_float(h0b)), l1 = tf32_bits(v1 - __uint_as_float(h1b));
-        const uint32_t l2 = tf32_bits(v2 - __uint_as_float(h2b)), l3 = tf32_bits(v3 - __uint_as_float(h3b));
-#pragma unroll
-        for (int nt = 0; nt < 2; ++nt) {
-          mma_tf32(c[nt], l0, l1, l2, l3, bhi[st][nt][0], bhi[st][nt][1]);
-          mma_tf32(c[nt], h0b, h1b, h2b, h3b, blo[st][nt][0], blo[st][nt][1]);
-          mma_tf32(c[nt], h0b, h1b, h2b, h3b, bhi[st][nt][0], bhi[st][nt][1]);
-        }
-      }
-      const int oh = h0 + row, ow = w0 + seg * 16 + gid;
-      const bool row_ok = oh < s.oh;
-      float va[4] = {c[0][0], c[0][1], c[1][0], c[1][1]};  // voxel ow
-      float vb[4] = {c[0][2], c[0][3], c[1][2], c[1][3]};  // voxel ow + 8
-      quad_softmax_accumulate(va, (row_ok && ow < s.ow) ? 1.0f : 0.0f, psum);
-      quad_softmax_accumulate(vb, (row_ok && ow + 8 < s.ow) ? 1.0f : 0.0f, psum);
-    }
-    __syncthreads();
-    if (od + 1 < d_end) {
-      prefetch_plane<CIN, PITCH>(xn, s, od + K + 1, h0, w0, in_h, ring, (od + K + 1) % kSlots);
-    } else {
-      asm volatile("cp.async.commit_group;\n" ::);
-    }
-  }
-  asm volatile("cp.async.wait_all;\n" ::);
-
-  // Sum each channel over the 8 quads of the warp, then over warps in order.
-  __shared__ float red[kMaxWarps][COUT];
-#pragma unroll
-  for (int j = 0; j < 4; ++j) {
-#pragma unroll
-    for (int off = 4; off < 32; off <<= 1) psum[j] += __shfl_xor_sync(0xffffffffu, psum[j], off);
-  }
-  if (gid == 0) {
-    red[warp][2 * tig] = psum[0];
-    red[warp][2 * tig + 1] = psum[1];
-    red[warp][8 + 2 * tig] = psum[2];
-    red[warp][9 + 2 * tig] = psum[3];
+  // The weights, split once per block into shared memory (one constant-bank load and split per weight
+  // per block, not per thread and fragment), then this lane's A fragments: k-step q is row
+  // 4*(q/3) + tig, kw = q % 3; a0 = channel gid, a1 = channel gid + 8.
+  __shared__ float s_whi[16 * kTaps], s_wlo[16 * kTaps];
+  for (int i = threadIdx.x; i < 16 * kTaps; i += blockDim.x) {
+    const float w = p.w[i];
+    const float h = __uint_as_float(tf32_bits(w));
+    s_whi[i] = h;
+    s_wlo[i] = __uint_as_float(tf32_bits(w - h));
   }
   __syncthreads();
-  if (threadIdx.x < COUT) {
+  uint32_t ahi[kTcSteps][2], alo[kTcSteps][2];
+#pragma unroll
+  for (int q = 0; q < kTcSteps; ++q) {
+    const int row = 4 * (q / 3) + tig, kw = q % 3;
+    const bool real = row < kTcRows;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int i = (gid + 8 * h) * kTaps + 3 * row + kw;
+      ahi[q][h] = real ? __float_as_uint(s_whi[i]) : 0u;
+      alo[q][h] = real ? __float_as_uint(s_wlo[i]) : 0u;
+    }
+  }
+  const float bias_lo = p.b[gid], bias_hi = p.b[gid + 8];
+
+  asm volatile("cp.async.wait_group 0;\n" ::);
+  for (int kd = 0; kd < 3; ++kd) tc_split_plane<TERMS>(l, hi, lo, (d_begin + kd) & 3);
+  __syncthreads();
+
+  float psum[2] = {0.0f, 0.0f};  // channels gid, gid + 8
+  for (int od = d_begin; od < d_end; ++od) {
+    const bool more = od + 1 < d_end;
+    if (more) tc_copy_plane(xn, s, od + 3, h0, w0, l, hi, (od + 3) & 3);
+    // Row p of this lane: r = 4p + tig = (ci, kd, kh); the missing row (p = 6, tig = 3) reads row tig
+    // (its weights are zero).
+    int off[7];
+#pragma unroll
+    for (int pi = 0; pi < 7; ++pi) {
+      const int r = (4 * pi + tig < kTcRows) ? 4 * pi + tig : tig;
+      const int ci = r / 9, kd = (r / 3) % 3, kh = r % 3;
+      off[pi] = ((od + kd) & 3) * l.ss + ci * l.cs + kh * kTcPitch + 4 * gid;
+    }
+
+    for (int y = warp; y < ty; y += nwarps) {
+      float c[4][4];  // [n-tile][fragment]
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        c[j][0] = c[j][1] = bias_lo;
+        c[j][2] = c[j][3] = bias_hi;
+      }
+      const int yoff = y * kTcPitch;
+      // Inputs 4*gid .. 4*gid+5 of row p (hi, lo): two 16-byte loads each, row p+1's issued before row
+      // p's MMAs.
+      uint32_t xh[2][8], xl[2][8];
+      auto load_row = [&](int pi, int buf) {
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          const uint4 h = *reinterpret_cast<const uint4*>(hi + off[pi] + yoff + 4 * half);
+          xh[buf][4 * half] = h.x; xh[buf][4 * half + 1] = h.y; xh[buf][4 * half + 2] = h.z; xh[buf][4 * half + 3] = h.w;
+          if (TERMS == 3) {
+            const uint4 o = *reinterpret_cast<const uint4*>(lo + off[pi] + yoff + 4 * half);
+            xl[buf][4 * half] = o.x; xl[buf][4 * half + 1] = o.y; xl[buf][4 * half + 2] = o.z; xl[buf][4 * half + 3] = o.w;
+          }
+        }
+      };
+      load_row(0, 0);
+#pragma unroll
+      for (int pi = 0; pi < 7; ++pi) {
+        const int cur = pi & 1;
+        if (pi + 1 < 7) load_row(pi + 1, cur ^ 1);
+#pragma unroll
+        for (int kw = 0; kw < 3; ++kw) {
+          const int q = 3 * pi + kw;
+#pragma unroll
+          for (int j = 0; j < 4; ++j) {
+            if (TERMS == 3) {
+              mma_tf32_k4(c[j], ahi[q][0], ahi[q][1], xl[cur][j + kw]);
+              mma_tf32_k4(c[j], alo[q][0], alo[q][1], xh[cur][j + kw]);
+            }
+            mma_tf32_k4(c[j], ahi[q][0], ahi[q][1], xh[cur][j + kw]);
+          }
+        }
+      }
+      // Column 2*tig + e of n-tile j is voxel 8*tig + 4*e + j; its channels gid and gid + 8 are here, the
+      // other 14 in the lanes of the same tig.
+      const int oh = h0 + y;
+      const bool row_ok = oh < s.oh;
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const float a = activation(c[j][e]), b = activation(c[j][2 + e]);
+          float m = fmaxf(a, b);
+#pragma unroll
+          for (int off2 = 4; off2 < 32; off2 <<= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, off2));
+          const float ml = m * kLog2e;
+          const float ea = fast_exp2(fmaf(a, kLog2e, -ml)), eb = fast_exp2(fmaf(b, kLog2e, -ml));
+          float sum = ea + eb;
+#pragma unroll
+          for (int off2 = 4; off2 < 32; off2 <<= 1) sum += __shfl_xor_sync(0xffffffffu, sum, off2);
+          const bool ok = row_ok && w0 + 8 * tig + 4 * e + j < s.ow;
+          const float inv = (ok ? 1.0f : 0.0f) * fast_rcp(sum);
+          psum[0] = fmaf(ea, inv, psum[0]);
+          psum[1] = fmaf(eb, inv, psum[1]);
+        }
+      }
+    }
+    if (more) {
+      asm volatile("cp.async.wait_group 0;\n" ::);
+      tc_split_plane<TERMS>(l, hi, lo, (od + 3) & 3);
+    }
+    __syncthreads();
+  }
+
+  // Sum each channel over the 4 lanes of its gid, then over warps in order.
+  __shared__ float red[kTcMaxWarps][16];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    psum[h] += __shfl_xor_sync(0xffffffffu, psum[h], 1);
+    psum[h] += __shfl_xor_sync(0xffffffffu, psum[h], 2);
+  }
+  if (tig == 0) {
+    red[warp][gid] = psum[0];
+    red[warp][gid + 8] = psum[1];
+  }
+  __syncthreads();
+  if (threadIdx.x < 16) {
     float sum = 0.0f;
     for (int wi = 0; wi < nwarps; ++wi) sum += red[wi][threadIdx.x];
     const long long slot = ((long long)n * tiles_hw + tile) * chunks + chunk;
-    partials[slot * COUT + threadIdx.x] = sum;
+    partials[slot * 16 + threadIdx.x] = sum;
   }
 }
 
@@ -584,11 +687,13 @@ int check_launch(const char* what) {
 constexpr int kRefCin = 3, kRefCout = 16, kRefK = 3, kRefV = 4, kRefTX = 8;
 using RefGeometry = TileGeometry<kRefK, kRefV, kRefTX>;
 
-enum Kernel : int { kGeneral = 0, kTile = 1, kWindow = 2, kMma = 3, kWindowSplit = 4 };
+enum Kernel : int { kGeneral = 0, kTile = 1, kWindow = 2, kTensor = 3, kWindowSplit = 4 };
 
 struct Plan {
   Kernel kernel;
-  int threads_x;             // specialised kernels: blockDim.x (kRefTX column groups x channel split)
+  int threads_x;             // specialised kernels: blockDim.x (kRefTX column groups x channel split;
+                             // tensor-core kernel: 32 x warps)
+  int terms;                 // tensor-core kernel: 3 (3xTF32, float32 accuracy) or 1 (TF32)
   int tiles_w, tiles_h, ty;  // specialised kernels
   int planes, chunks;        // window kernel: output planes per block, blocks along D
   int blocks;                // per sample
@@ -602,20 +707,123 @@ int resident_blocks(int per_sm) {  // blocks of a kernel resident at once on thi
   return per_sm * sms;
 }
 
-// variant: 0 chooses (the split window kernel for contiguous float32, else tile); 1 forces tile,
+// Raise a kernel's dynamic shared-memory limit (per kernel, per device) to what a launch needs. The
+// recorded limit only grows, so a later launch never finds it lowered below its own need.
+template <auto KERNEL>
+int allow_smem(size_t dynamic_bytes) {
+  static size_t configured[kMaxDevices] = {};
+  int device = 0;
+  cudaGetDevice(&device);
+  if (device < 0 || device >= kMaxDevices) return fail("device index out of range%s", "");
+  if (dynamic_bytes > configured[device]) {
+    const cudaError_t err =
+        cudaFuncSetAttribute(KERNEL, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)dynamic_bytes);
+    if (err != cudaSuccess) return fail("raising the shared-memory limit failed: %s", cudaGetErrorString(err));
+    configured[device] = dynamic_bytes;
+  }
+  return 0;
+}
+
+size_t tc_smem_bytes(int ty, int terms) { return sizeof(float) * tc_layout(ty).ring_floats * (terms == 3 ? 2 : 1); }
+
+// Blocks of the tensor-core kernel resident per SM for a block of `warps` warps and `ty` rows (cached per
+// device: the launcher runs on every call).
+template <int TERMS>
+int tc_blocks_per_sm(int device, int warps, int ty) {
+  static int cache[kMaxDevices][kTcMaxWarps + 1][kTcMaxTy + 1];
+  if (device < 0 || device >= kMaxDevices || warps > kTcMaxWarps || ty > kTcMaxTy) return 1;
+  int& slot = cache[device][warps][ty];
+  if (slot == 0) {
+    constexpr auto kernel = fused_tc_kernel<TERMS>;
+    const size_t smem = tc_smem_bytes(ty, TERMS);
+    int blocks = 1;
+    if (allow_smem<kernel>(smem) != 0 ||
+        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, 32 * warps, smem) != cudaSuccess ||
+        blocks < 1) {
+      cudaGetLastError();
+      blocks = 1;
+    }
+    slot = blocks;  // the same value whichever thread writes it
+  }
+  return slot;
+}
+
+// Tensor-core kernel tiling. A block has 4-6 warps and ty = warps x (1..4) rows per plane. Each plane
+// costs a block its staging, split and barrier whatever its rows, so the cost of a tiling is its padded
+// rows weighted by (1 + 1 / rows per warp); among equal costs, more rows per warp. (Measured on H100 at
+// the reference shape: 4 warps x 4 rows 147 us, 5 x 3 164 us, 4 x 2 162 us; bench/kernel_plan_sweep.py.)
+// Small batches are latency-bound, so the candidates are those giving every SM a (tile, plane), else
+// the tiling with the most tiles. Then the D range is cut into the chunk count that needs the fewest
+// block-planes per SM (waves x planes per block, plus the K-1 halo planes each chunk restages).
+void plan_tensor(const Shape& s, Plan& p) {
+  int sms = 132, device = 0;
+  cudaGetDevice(&device);
+  cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+  p.tiles_w = (s.ow + kTcTileW - 1) / kTcTileW;
+  struct Cand { int warps, ty, tiles, per_sm; double cost; };
+  Cand best{0, 0, 0, 0, 1e30}, widest{0, 0, 0, 0, 1e30};
+  for (int warps = 4; warps <= kTcMaxWarps; ++warps) {
+    for (int rows = 4; rows >= 1; --rows) {
+      const int ty = warps * rows, tiles = (s.oh + ty - 1) / ty;
+      if (ty > kTcMaxTy) continue;
+      const int per_sm = p.terms == 3 ? tc_blocks_per_sm<3>(device, warps, ty) : tc_blocks_per_sm<1>(device, warps, ty);
+      const double cost = (double)tiles * ty * (1.0 + 1.0 / rows);
+      const long long units = (long long)s.n * p.tiles_w * tiles * s.od;
+      if (units >= sms && cost < best.cost - 1e-9) best = {warps, ty, tiles, per_sm, cost};
+      if (widest.warps == 0 || tiles > widest.tiles || (tiles == widest.tiles && cost < widest.cost)) {
+        widest = {warps, ty, tiles, per_sm, cost};
+      }
+    }
+  }
+  Cand c = best.warps != 0 ? best : widest;
+  // VOXSERVE_TC_PLAN=warps,rows[,chunks] overrides the choice (for tuning benchmarks).
+  static const char* forced = getenv("VOXSERVE_TC_PLAN");
+  int f_warps = 0, f_ty = 0, f_chunks = 0;
+  if (forced != nullptr && sscanf(forced, "%d,%d,%d", &f_warps, &f_ty, &f_chunks) >= 2 && f_warps >= 1 &&
+      f_warps <= kTcMaxWarps && f_ty >= 4 && f_ty <= kTcMaxTy) {
+    const int per_sm = p.terms == 3 ? tc_blocks_per_sm<3>(device, f_warps, f_ty) : tc_blocks_per_sm<1>(device, f_warps, f_ty);
+    c = {f_warps, f_ty, (s.oh + f_ty - 1) / f_ty, per_sm, 0.0};
+  }
+  p.threads_x = 32 * c.warps;
+  p.ty = c.ty;
+  p.tiles_h = c.tiles;
+  const int tiles_hw = p.tiles_w * p.tiles_h;
+  const long long resident = (long long)c.per_sm * sms;
+  double best_cost = 1e30;
+  for (int chunks = 1; chunks <= s.od; ++chunks) {
+    const int planes = (s.od + chunks - 1) / chunks;
+    if (chunks > 1 && (s.od + planes - 1) / planes < chunks) continue;  // same split as fewer chunks
+    const long long blocks = (long long)s.n * tiles_hw * chunks;
+    const double cost = (double)((blocks + resident - 1) / resident) * (planes + 0.3 * 2);
+    if (cost < best_cost) {
+      best_cost = cost;
+      p.chunks = chunks;
+      p.planes = planes;
+    }
+  }
+  if (f_chunks >= 1 && f_chunks <= s.od) p.planes = (s.od + f_chunks - 1) / f_chunks;
+  p.chunks = (s.od + p.planes - 1) / p.planes;
+  p.blocks = tiles_hw * p.chunks;
+}
+
+// variant: 0 chooses (the tensor-core kernel for contiguous float32, else tile); 1 forces tile,
 // 2 window, 3 the tensor-core kernel, 4 the window kernel with Cout split over 2 lanes (2-4 take
-// contiguous float32 only).
-Plan make_plan(const Shape& s, int variant, bool window_ok) {
+// contiguous float32 only). precision: 0 float32, 1 lets the tensor-core kernel use plain TF32.
+Plan make_plan(const Shape& s, int variant, int precision, bool window_ok) {
   Plan p{};
   if (!(s.cin == kRefCin && s.cout == kRefCout && s.k == kRefK)) {
     p.kernel = kGeneral;
     const long long voxels = (long long)s.od * s.oh * s.ow;
     p.blocks = static_cast<int>((voxels + kMaxThreads - 1) / kMaxThreads);
+  } else if (window_ok && (variant == 0 || variant == 3)) {
+    p.kernel = kTensor;
+    p.terms = precision == 1 ? 1 : 3;
+    plan_tensor(s, p);
   } else {
     if (variant == 1 || !window_ok) {
       p.kernel = kTile;
     } else {
-      p.kernel = variant == 2 ? kWindow : variant == 3 ? kMma : kWindowSplit;
+      p.kernel = variant == 2 ? kWindow : kWindowSplit;
     }
     p.threads_x = p.kernel == kWindowSplit ? 2 * kRefTX : kRefTX;
     p.tiles_w = (s.ow + RefGeometry::kTileW - 1) / RefGeometry::kTileW;
@@ -640,11 +848,10 @@ Plan make_plan(const Shape& s, int variant, bool window_ok) {
       }
     }
     const int tiles_hw = p.tiles_w * p.tiles_h;
-    if (p.kernel == kWindow || p.kernel == kMma || p.kernel == kWindowSplit) {
+    if (p.kernel == kWindow || p.kernel == kWindowSplit) {
       // Enough planes per block to amortise the window, few enough that the grid fills the GPU.
       const long long units = (long long)s.n * tiles_hw * s.od;
-      // Blocks per SM: window 2, split window 3, tensor-core (231 registers) 1.
-      const int per_sm = p.kernel == kMma ? 1 : p.kernel == kWindowSplit ? 3 : 2;
+      const int per_sm = p.kernel == kWindowSplit ? 3 : 2;  // blocks per SM
       const long long want = units / resident_blocks(per_sm);
       p.planes = static_cast<int>(want < 1 ? 1 : (want > s.od ? s.od : want));
       p.chunks = (s.od + p.planes - 1) / p.planes;
@@ -656,26 +863,6 @@ Plan make_plan(const Shape& s, int variant, bool window_ok) {
   }
   p.partial_floats = (long long)s.n * p.blocks * s.cout;
   return p;
-}
-
-int launch_mma(const void* x, const Shape& s, const Plan& plan, const float* w_host, const float* b_host,
-               float* partials, cudaStream_t stream);
-
-// Raise a kernel's dynamic shared-memory limit (per kernel, per device) to what a launch needs. The
-// recorded limit only grows, so a later launch never finds it lowered below its own need.
-template <auto KERNEL>
-int allow_smem(size_t dynamic_bytes) {
-  static size_t configured[kMaxDevices] = {};
-  int device = 0;
-  cudaGetDevice(&device);
-  if (device < 0 || device >= kMaxDevices) return fail("device index out of range%s", "");
-  if (dynamic_bytes > configured[device]) {
-    const cudaError_t err =
-        cudaFuncSetAttribute(KERNEL, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)dynamic_bytes);
-    if (err != cudaSuccess) return fail("raising the shared-memory limit failed: %s", cudaGetErrorString(err));
-    configured[device] = dynamic_bytes;
-  }
-  return 0;
 }
 
 ConvWeights<kRefCin, kRefCout, kRefK> ref_weights(const float* w_host, const float* b_host) {
@@ -727,15 +914,16 @@ int launch_general(const void* x, const Shape& s, const Plan& plan, const float*
   return check_launch("fused_general_kernel");
 }
 
-int launch_mma(const void* x, const Shape& s, const Plan& plan, const float* w_host, const float* b_host,
-               float* partials, cudaStream_t stream) {
-  constexpr auto kernel = fused_mma_kernel<RefGeometry::kTileW, RefGeometry::kPitch>;
-  const size_t smem = sizeof(float) * (kRefK + 1) * kRefCin * (plan.ty + kRefK - 1) * RefGeometry::kPitch;
+template <int TERMS>
+int launch_tensor(const void* x, const Shape& s, const Plan& plan, const float* w_host, const float* b_host,
+                  float* partials, cudaStream_t stream) {
+  constexpr auto kernel = fused_tc_kernel<TERMS>;
+  const size_t smem = tc_smem_bytes(plan.ty, TERMS);
   if (allow_smem<kernel>(smem) != 0) return 1;
-  const dim3 grid(plan.tiles_w * plan.tiles_h, plan.chunks, s.n), block(kMaxThreads);
+  const dim3 grid(plan.tiles_w * plan.tiles_h, plan.chunks, s.n), block(plan.threads_x);
   kernel<<<grid, block, smem, stream>>>(static_cast<const float*>(x), s, ref_weights(w_host, b_host), partials,
                                         plan.tiles_w, plan.tiles_w * plan.tiles_h, plan.planes, plan.chunks, plan.ty);
-  return check_launch("fused_mma_kernel");
+  return check_launch("fused_tc_kernel");
 }
 
 template <typename T>
@@ -745,7 +933,9 @@ int dispatch(const void* x, const Shape& s, const Plan& plan, const float* w_dev
     case kGeneral: return launch_general<T>(x, s, plan, w_dev, b_dev, partials, stream);
     case kWindow: return launch_window<1>(x, s, plan, w_host, b_host, partials, stream);
     case kWindowSplit: return launch_window<2>(x, s, plan, w_host, b_host, partials, stream);
-    case kMma: return launch_mma(x, s, plan, w_host, b_host, partials, stream);
+    case kTensor:
+      return plan.terms == 1 ? launch_tensor<1>(x, s, plan, w_host, b_host, partials, stream)
+                             : launch_tensor<3>(x, s, plan, w_host, b_host, partials, stream);
     default: return launch_tile<T>(x, s, plan, w_host, b_host, partials, stream);
   }
 }
@@ -771,24 +961,27 @@ const char* voxserve_last_error() { return g_error; }
 // 1 when (Cin, Cout, k) runs the specialised kernel (it then needs host copies of the weights).
 int voxserve_is_specialised(int cin, int cout, int k) { return cin == kRefCin && cout == kRefCout && k == kRefK; }
 
-// Floats of scratch space voxserve_forward needs for this shape, or -1 for an invalid shape. (The tile
-// kernel's plan is the largest, whatever the input's layout.)
+// Floats of scratch space voxserve_forward needs for this shape, or -1 for an invalid shape: the largest
+// plan's, whatever the input's layout (the tile kernel's, or the tensor-core kernel's at its smallest
+// tiles: 4 rows, one plane per block).
 long long voxserve_workspace_floats(const long long* sizes, int cout, int k) {
   const long long strides[5] = {0, 0, 0, 0, 0};
   Shape s;
   if (!fill_shape(sizes, strides, cout, k, &s)) return -1;
-  return make_plan(s, 1, false).partial_floats;
+  const long long tile = make_plan(s, 1, 0, false).partial_floats;
+  const long long tensor = (long long)s.n * ((s.ow + kTcTileW - 1) / kTcTileW) * ((s.oh + 3) / 4) * s.od * s.cout;
+  return tile > tensor ? tile : tensor;
 }
 
 // out (N, Cout) float32 = the model on x, enqueued on `stream`. Returns 0, or 1 with voxserve_last_error().
 // w_dev/b_dev: device float32 weights (Cout, Cin, k, k, k) and bias; w_host/b_host: the same values on the host,
 // required when voxserve_is_specialised(). workspace: voxserve_workspace_floats() floats on the device.
-// variant: 0 lets make_plan choose the kernel; 1 forces the tile kernel, 2 the window kernel where the
-// input allows it (benchmarks compare them). device: the CUDA device that x, out and stream belong to
+// variant: 0 lets make_plan choose the kernel; 1-4 force one where the input allows it (benchmarks
+// compare them). precision: 0 float32 throughout; 1 lets the tensor-core kernel multiply in TF32. device: the CUDA device that x, out and stream belong to
 // (this library has its own CUDA runtime, so the caller's current device is not known here).
 int voxserve_forward(const void* x, int dtype, const long long* sizes, const long long* strides, int cout, int k,
                      const float* w_dev, const float* b_dev, const float* w_host, const float* b_host, float* out,
-                     float* workspace, int variant, int device, void* stream_handle) {
+                     float* workspace, int variant, int precision, int device, void* stream_handle) {
   g_error[0] = '\0';
   const cudaError_t dev_err = cudaSetDevice(device);
   if (dev_err != cudaSuccess) return fail("cudaSetDevice failed: %s", cudaGetErrorString(dev_err));
@@ -800,7 +993,7 @@ int voxserve_forward(const void* x, int dtype, const long long* sizes, const lon
   // The window kernel copies 16-byte pieces of W-contiguous float32 rows.
   const bool window_ok = dtype == kF32 && s.sw == 1 && s.w % 4 == 0 && s.sh % 4 == 0 && s.sd % 4 == 0 &&
                          s.sc % 4 == 0 && s.sn % 4 == 0 && (reinterpret_cast<uintptr_t>(x) % 16) == 0;
-  const Plan plan = make_plan(s, variant, window_ok);
+  const Plan plan = make_plan(s, variant, precision, window_ok);
   if (plan.kernel != kGeneral && (w_host == nullptr || b_host == nullptr)) {
     return fail("the specialised kernels need host copies of the weights%s", "");
   }

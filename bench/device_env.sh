@@ -1,0 +1,17 @@
+# Source on the device machine (repository root) to make `voxserve` importable from any directory:
+# installs the carried wheels (.whl/) and the package, or lays the package out with links when pip
+# cannot install it offline. Used by the device_*.sh scripts.
+if compgen -G ".whl/*.whl" > /dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+  export PYTHONPATH=/tmp/site
+fi
+if ! python3 -m pip install -q --no-index --no-build-isolation --no-deps -e . 2>&1 | tail -2 \
+    || ! python3 -c "import voxserve.server.app" 2>/dev/null; then
+  # Offline fallback: lay the namespace out with links (proto/ -> voxserve/proto, ...).
+  mkdir -p /tmp/pkg/voxserve
+  for f in voxserve/*.py; do ln -sf "$PWD/$f" /tmp/pkg/voxserve/; done
+  for d in proto server kernels client; do ln -sfn "$PWD/$d" /tmp/pkg/voxserve/$d; done
+  ln -sfn "$PWD/voxserve/testing" /tmp/pkg/voxserve/testing
+  export PYTHONPATH=/tmp/pkg${PYTHONPATH:+:$PYTHONPATH}
+fi
+python3 -c "import voxserve.server.app, voxserve.kernels; print('voxserve imports ok')" || return 1
