@@ -24,7 +24,9 @@ w, b = (t.cuda() for t in reference_weights())
 sets = max(4, int(3 * 50 * 2**20 // (4 * torch.Size(shape).numel())) + 1)
 inputs = [torch.randn(shape, device="cuda") for _ in range(min(sets, 512))]
 t = time_fn(lambda x: cuda.forward(x, w, b, 3, sys.argv[3]), inputs, 30, 10)
-print(f"{t * 1e6:.1f}")
+p = cuda.plan(inputs[0], variant=3, precision=sys.argv[3])
+print(f"{t * 1e6:.1f} us  ({p['threads'] // 32} warps x {p['rows'] // (p['threads'] // 32)} rows, "
+      f"{p['tiles_h']}x{p['tiles_w']} tiles, {p['chunks']} chunks)")
 """
 
 
@@ -43,7 +45,7 @@ def main(argv=None) -> int:
         out = subprocess.run([sys.executable, "-c", CHILD, here, args.shape, args.precision], env=env,
                              capture_output=True, text=True)
         result = out.stdout.strip().splitlines()[-1] if out.returncode == 0 else out.stderr.strip()[-300:]
-        print(f"{args.shape} {args.precision} plan {plan:>8}: {result} us", flush=True)
+        print(f"{args.shape} {args.precision} plan {plan:>8}: {result}", flush=True)
     return 0
 
 

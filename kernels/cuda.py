@@ -157,6 +157,9 @@ class _Library:
         lib.voxserve_forward.argtypes = [p, i, ctypes.POINTER(ll), ctypes.POINTER(ll), i, i, f, f, f, f, f, f, i, i, i,
                                          p]
         lib.voxserve_forward.restype = i
+        lib.voxserve_plan.argtypes = [p, i, ctypes.POINTER(ll), ctypes.POINTER(ll), i, i, i, i, i,
+                                      ctypes.POINTER(ctypes.c_int)]
+        lib.voxserve_plan.restype = i
         self.lib = lib
         self.path = path
 
@@ -261,6 +264,24 @@ def forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, variant: 
     if rc != 0:
         raise RuntimeError(f"voxserve::fused_forward: {lib.voxserve_last_error().decode()}")
     return out
+
+
+PLAN_FIELDS = ("kernel", "threads", "rows", "tiles_h", "tiles_w", "chunks", "blocks_per_sample", "terms")
+KERNEL_NAMES = {0: "general", 1: "tile", 2: "window", 3: "tensor-core", 4: "split-window"}
+
+
+def plan(x: torch.Tensor, cout: int = 16, k: int = 3, variant: int = 0, precision: str = "fp32") -> dict:
+    """The launch plan forward() would use for x (kernel, block and tiling), as a dict of PLAN_FIELDS."""
+    check_precision(precision)
+    sizes = (ctypes.c_longlong * 5)(*x.shape)
+    strides = (ctypes.c_longlong * 5)(*x.stride())
+    out = (ctypes.c_int * len(PLAN_FIELDS))()
+    if library().lib.voxserve_plan(x.data_ptr(), _DTYPE_CODES[x.dtype], sizes, strides, cout, k, variant,
+                                   _PRECISION_CODES[precision], x.device.index or 0, out) != 0:
+        raise ValueError(f"shape {tuple(x.shape)} is invalid for kernel size {k}")
+    result = dict(zip(PLAN_FIELDS, out, strict=True))
+    result["kernel"] = KERNEL_NAMES[result["kernel"]]
+    return result
 
 
 @_fused_forward_op.register_kernel("cuda")

@@ -111,6 +111,19 @@ def test_tf32_mode_within_its_stated_bound(rng, shape):
     assert relative_error(fused_forward(xs, w, b, "tf32"), reference_float64(xs, w, b)) <= FP32_TOL
 
 
+@pytest.mark.parametrize("shape", [(128, 3, 16, 32, 32), (1, 3, 16, 32, 32), (32, 3, 32, 64, 64), (2, 3, 5, 203, 72)])
+def test_tensor_core_plan_covers_the_output(shape):
+    x = torch.empty(shape, device=DEV)
+    for precision, terms in (("fp32", 3), ("tf32", 1)):
+        p = cuda_kernels.plan(x, precision=precision)
+        _, _, d, h, w = shape
+        assert p["kernel"] == "tensor-core" and p["terms"] == terms
+        assert p["rows"] <= 18 and p["rows"] % (p["threads"] // 32) == 0
+        assert p["tiles_h"] * p["rows"] >= h - 2 > (p["tiles_h"] - 1) * p["rows"]
+        assert p["tiles_w"] * 32 >= w - 2 and 1 <= p["chunks"] <= d - 2
+    assert cuda_kernels.plan(x.transpose(3, 4))["kernel"] == "tile"  # not W-contiguous
+
+
 def test_large_activations_do_not_overflow(rng):
     w, b = _weights(rng, 16, 3, 3, scale=30.0)  # logits in the hundreds: softmax must subtract the max
     x = torch.randn(2, 3, 8, 9, 10, generator=rng).to(DEV)

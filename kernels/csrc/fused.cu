@@ -376,6 +376,8 @@ __host__ __device__ inline TcLayout tc_layout(int ty) {
   l.cs = l.in_h * kTcPitch;
   l.cs += ((8 - l.cs % 32) + 32) % 32;  // channel stride = 8 (mod 32)
   l.ss = 3 * l.cs;                      // slot stride = 24 (mod 32)
+  // A slot also holds the split weights (16 x 81 floats per ring) during the block's prologue.
+  while (l.ss < 16 * 81) l.ss += 32;
   l.ring_floats = 4 * l.ss;
   return l;
 }
@@ -466,12 +468,15 @@ __global__ void __launch_bounds__(kTcMaxThreads, 2)
   // The weights, split once per block into shared memory (one constant-bank load and split per weight
   // per block, not per thread and fragment), then this lane's A fragments: k-step q is row
   // 4*(q/3) + tig, kw = q % 3; a0 = channel gid, a1 = channel gid + 8.
-  __shared__ float s_whi[16 * kTaps], s_wlo[16 * kTaps];
+  // They live in ring slot (d_begin + 3) % 4 (hi and lo rings) until plane d_begin+3 is copied there,
+  // after the barrier that follows the first planes' split.
+  float* s_whi = hi + ((d_begin + 3) & 3) * l.ss;  // tc_layout makes a slot large enough
+  float* s_wlo = lo + ((d_begin + 3) & 3) * l.ss;  // TERMS == 3 only
   for (int i = threadIdx.x; i < 16 * kTaps; i += blockDim.x) {
     const float w = p.w[i];
     const float h = __uint_as_float(tf32_bits(w));
     s_whi[i] = h;
-    s_wlo[i] = __uint_as_float(tf32_bits(w - h));
+    if (TERMS == 3) s_wlo[i] = __uint_as_float(tf32_bits(w - h));
   }
   __syncthreads();
   uint32_t ahi[kTcSteps][2], alo[kTcSteps][2];
@@ -483,7 +488,7 @@ __global__ void __launch_bounds__(kTcMaxThreads, 2)
     for (int h = 0; h < 2; ++h) {
       const int i = (gid + 8 * h) * kTaps + 3 * row + kw;
       ahi[q][h] = real ? __float_as_uint(s_whi[i]) : 0u;
-      alo[q][h] = real ? __float_as_uint(s_wlo[i]) : 0u;
+      alo[q][h] = real && TERMS == 3 ? __float_as_uint(s_wlo[i]) : 0u;
     }
   }
   const float bias_lo = p.b[gid], bias_hi = p.b[gid + 8];
@@ -536,29 +541,47 @@ __global__ void __launch_bounds__(kTcMaxThreads, 2)
 #pragma unroll
         for (int kw = 0; kw < 3; ++kw) {
           const int q = 3 * pi + kw;
+          // Term-major order: consecutive MMAs update different accumulators (a dependent MMA waits its
+          // predecessor's full latency).
+          if (TERMS == 3) {
 #pragma unroll
-          for (int j = 0; j < 4; ++j) {
-            if (TERMS == 3) {
-              mma_tf32_k4(c[j], ahi[q][0], ahi[q][1], xl[cur][j + kw]);
-              mma_tf32_k4(c[j], alo[q][0], alo[q][1], xh[cur][j + kw]);
-            }
-            mma_tf32_k4(c[j], ahi[q][0], ahi[q][1], xh[cur][j + kw]);
+            for (int j = 0; j < 4; ++j) mma_tf32_k4(c[j], ahi[q][0], ahi[q][1], xl[cur][j + kw]);
+#pragma unroll
+            for (int j = 0; j < 4; ++j) mma_tf32_k4(c[j], alo[q][0], alo[q][1], xh[cur][j + kw]);
           }
+#pragma unroll
+          for (int j = 0; j < 4; ++j) mma_tf32_k4(c[j], ahi[q][0], ahi[q][1], xh[cur][j + kw]);
         }
       }
       // Column 2*tig + e of n-tile j is voxel 8*tig + 4*e + j; its channels gid and gid + 8 are here, the
-      // other 14 in the lanes of the same tig.
+      // other 14 in the lanes of the same tig. Activations are >= 0, so while every one in the warp is
+      // <= 80, exp needs no max subtracted (no overflow; every term >= 1, so nothing underflows) and a
+      // voxel's softmax costs 3 shuffles instead of 6.
       const int oh = h0 + y;
       const bool row_ok = oh < s.oh;
+      float act[4][2][2];  // [n-tile][column][channel gid / gid + 8]
+      float amax = 0.0f;
+#pragma unroll
+      for (int j = 0; j < 4; ++j)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          act[j][e][0] = activation(c[j][e]);
+          act[j][e][1] = activation(c[j][2 + e]);
+          amax = fmaxf(amax, fmaxf(act[j][e][0], act[j][e][1]));
+        }
+      const bool shift = !__all_sync(0xffffffffu, amax <= 80.0f);
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
-          const float a = activation(c[j][e]), b = activation(c[j][2 + e]);
-          float m = fmaxf(a, b);
+          const float a = act[j][e][0], b = act[j][e][1];
+          float ml = 0.0f;
+          if (shift) {
+            float m = fmaxf(a, b);
 #pragma unroll
-          for (int off2 = 4; off2 < 32; off2 <<= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, off2));
-          const float ml = m * kLog2e;
+            for (int off2 = 4; off2 < 32; off2 <<= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, off2));
+            ml = m * kLog2e;
+          }
           const float ea = fast_exp2(fmaf(a, kLog2e, -ml)), eb = fast_exp2(fmaf(b, kLog2e, -ml));
           float sum = ea + eb;
 #pragma unroll
@@ -951,6 +974,12 @@ bool fill_shape(const long long* sizes, const long long* strides, int cout, int 
   return k >= 1 && cout >= 1 && s->od >= 1 && s->oh >= 1 && s->ow >= 1;
 }
 
+// The window and tensor-core kernels copy 16-byte pieces of W-contiguous float32 rows.
+bool window_ok(const void* x, int dtype, const Shape& s) {
+  return dtype == kF32 && s.sw == 1 && s.w % 4 == 0 && s.sh % 4 == 0 && s.sd % 4 == 0 && s.sc % 4 == 0 &&
+         s.sn % 4 == 0 && (reinterpret_cast<uintptr_t>(x) % 16) == 0;
+}
+
 }  // namespace
 
 extern "C" {
@@ -973,12 +1002,27 @@ long long voxserve_workspace_floats(const long long* sizes, int cout, int k) {
   return tile > tensor ? tile : tensor;
 }
 
+// The plan voxserve_forward would run on the current device (for benchmarks and tests): out[0..7] =
+// kernel (0 general, 1 tile, 2 window, 3 tensor-core, 4 split window), threads per block, rows per tile,
+// tiles along H, tiles along W, D chunks, blocks per sample, tensor-core terms (3 or 1; 0 otherwise).
+// Returns 0, or 1 for an invalid shape.
+int voxserve_plan(const void* x, int dtype, const long long* sizes, const long long* strides, int cout, int k,
+                  int variant, int precision, int device, int* out) {
+  Shape s;
+  if (cudaSetDevice(device) != cudaSuccess || !fill_shape(sizes, strides, cout, k, &s)) return 1;
+  const Plan p = make_plan(s, variant, precision, window_ok(x, dtype, s));
+  const int fields[8] = {p.kernel, p.threads_x, p.ty, p.tiles_h, p.tiles_w, p.chunks, p.blocks, p.terms};
+  for (int i = 0; i < 8; ++i) out[i] = fields[i];
+  return 0;
+}
+
 // out (N, Cout) float32 = the model on x, enqueued on `stream`. Returns 0, or 1 with voxserve_last_error().
 // w_dev/b_dev: device float32 weights (Cout, Cin, k, k, k) and bias; w_host/b_host: the same values on the host,
 // required when voxserve_is_specialised(). workspace: voxserve_workspace_floats() floats on the device.
 // variant: 0 lets make_plan choose the kernel; 1-4 force one where the input allows it (benchmarks
-// compare them). precision: 0 float32 throughout; 1 lets the tensor-core kernel multiply in TF32. device: the CUDA device that x, out and stream belong to
-// (this library has its own CUDA runtime, so the caller's current device is not known here).
+// compare them). precision: 0 float32 throughout; 1 lets the tensor-core kernel multiply in TF32.
+// device: the CUDA device that x, out and stream belong to (this library has its own CUDA runtime, so the
+// caller's current device is not known here).
 int voxserve_forward(const void* x, int dtype, const long long* sizes, const long long* strides, int cout, int k,
                      const float* w_dev, const float* b_dev, const float* w_host, const float* b_host, float* out,
                      float* workspace, int variant, int precision, int device, void* stream_handle) {
@@ -991,9 +1035,7 @@ int voxserve_forward(const void* x, int dtype, const long long* sizes, const lon
     return fail("Cout above 64 is not supported by the fused kernel%s", "");
   }
   // The window kernel copies 16-byte pieces of W-contiguous float32 rows.
-  const bool window_ok = dtype == kF32 && s.sw == 1 && s.w % 4 == 0 && s.sh % 4 == 0 && s.sd % 4 == 0 &&
-                         s.sc % 4 == 0 && s.sn % 4 == 0 && (reinterpret_cast<uintptr_t>(x) % 16) == 0;
-  const Plan plan = make_plan(s, variant, precision, window_ok);
+  const Plan plan = make_plan(s, variant, precision, window_ok(x, dtype, s));
   if (plan.kernel != kGeneral && (w_host == nullptr || b_host == nullptr)) {
     return fail("the specialised kernels need host copies of the weights%s", "");
   }
