@@ -117,6 +117,10 @@ class VoxServer:
             loop = asyncio.get_running_loop()
             self.state.runner = Runner(models, self.state.stats, self.metrics, batching,
                                        lambda reason: loop.call_soon_threadsafe(self._device_lost, reason))
+            if model.pipeline is not None:  # shared-memory inputs land in pinned memory: the GPU copies them in place
+                from .pipeline import pinned_buffer
+
+                self.shm.allocate = pinned_buffer
             devices = ",".join(str(m.device) for m in models)
             self.state.device, self.state.kernel = devices, model.kernel
             self.metrics.set_build(devices, model.kernel)

@@ -110,6 +110,11 @@ def _shm_ref(parameters, what: str) -> SharedMemoryRef | None:
     return SharedMemoryRef(region.string_param, values.get(OFFSET_PARAM, 0), values.get(SIZE_PARAM))
 
 
+def input_in_shared_memory(request: pb.ModelInferRequest) -> bool:
+    """Whether the request's input names a shared-memory region (decoding it then copies the tensor)."""
+    return any(REGION_PARAM in t.parameters for t in request.inputs)
+
+
 def decode_request(request: pb.ModelInferRequest, spec: ModelSpec, shm=None,
                    raw_contents: Sequence[bytes | memoryview] | None = None) -> InferInput:
     """Validate ``request`` against the model and return its input as an array (a zero-copy view of

@@ -252,7 +252,10 @@ class InferenceService:
                 raise unavailable(f"model '{self.model_name}' is not ready yet (loading or warming up)")
             try:
                 runner.batcher.admit()  # refuse before decoding: overload must cost as little as possible
-                decoded = codec.decode_request(request, spec, self.shm, parsed.raw)
+                if codec.input_in_shared_memory(request):  # a tensor-sized copy: off the event loop
+                    decoded = await asyncio.to_thread(codec.decode_request, request, spec, self.shm, parsed.raw)
+                else:
+                    decoded = codec.decode_request(request, spec, self.shm, parsed.raw)
                 m.input_bytes.labels(model).inc(decoded.array.nbytes)
                 result = await runner.run(decoded.array, decoded.datatype, timeout_s)
             except QueueFull as exc:

@@ -14,6 +14,7 @@ import os
 import re
 import stat
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import grpc
@@ -42,6 +43,9 @@ class SharedMemoryRegistry:
         self.max_regions, self.max_total_bytes = max_regions, max_total_bytes
         self._regions: dict[str, Region] = {}
         self._lock = threading.Lock()
+        # Where read() puts an input: bytearray by default; a GPU server installs a pinned-memory allocator
+        # so that the one copy out of the client's segment is also the one the GPU copies from.
+        self.allocate: Callable[[int], memoryview] = lambda n: memoryview(bytearray(n))
 
     def register(self, name: str, key: str, offset: int, byte_size: int) -> None:
         if not _NAME.match(name):
@@ -107,19 +111,25 @@ class SharedMemoryRegistry:
             raise invalid(f"{what}: shared-memory segment {region.key!r} is now smaller than region {name!r}")
         return region, start
 
-    def read(self, name: str, offset: int, byte_size: int, what: str) -> bytearray:
-        """A private copy of the bytes (the request keeps no reference into the client's memory)."""
+    def read(self, name: str, offset: int, byte_size: int, what: str) -> memoryview:
+        """A private copy of the bytes, in memory from ``allocate`` (the request keeps no reference into the
+        client's memory). The copy runs outside the registry's lock, on a duplicate of the segment's file
+        descriptor, so concurrent requests copy in parallel and an unregister meanwhile cannot pull the
+        descriptor from under a read."""
         with self._lock:
             region, start = self._slice(name, offset, byte_size, what)
-            data = bytearray(byte_size)
-            view = memoryview(data)
+            fd = os.dup(region.fd)
+        try:
+            view = self.allocate(byte_size)
             done = 0
             while done < byte_size:  # one pread normally; a loop for reads the kernel splits
-                n = os.preadv(region.fd, [view[done:]], start + done)
+                n = os.preadv(fd, [view[done:]], start + done)
                 if n == 0:
                     raise invalid(f"{what}: shared-memory segment {region.key!r} shrank while it was being read")
                 done += n
-            return data
+            return view
+        finally:
+            os.close(fd)
 
     def write(self, name: str, offset: int, data: bytes, what: str) -> None:
         with self._lock:

@@ -66,6 +66,44 @@ def test_staged_execution_matches_float64_with_one_host_copy(datatype):
     assert times.infer_ns > 0 and times.input_ns > 0 and times.output_ns >= 0
 
 
+def test_pinned_request_buffer_goes_to_the_gpu_without_a_host_copy():
+    from voxserve.server.pipeline import pinned_buffer
+
+    model = _model()
+    rng = np.random.default_rng()
+    x = rng.standard_normal((4, 3, 16, 32, 32), dtype=np.float32)
+    pinned = np.frombuffer(pinned_buffer(x.nbytes), dtype=np.float32).reshape(x.shape)  # as a shm read lands
+    pinned[...] = x
+    staged, direct = model.pipeline.staged_bytes, model.pipeline.direct_bytes
+    y, _ = model.run_arrays([pinned], "FP32")
+    assert model.pipeline.staged_bytes == staged and model.pipeline.direct_bytes - direct == x.nbytes
+    assert relative_error(torch.from_numpy(y), _ref(x, "FP32", model)) <= FP32_TOL
+    # Merged with another request it is staged like any other (one copy into the batch).
+    y2, _ = model.run_arrays([pinned, x[:1]], "FP32")
+    assert model.pipeline.staged_bytes - staged == x.nbytes + x[:1].nbytes
+    assert relative_error(torch.from_numpy(y2), _ref(np.concatenate([x, x[:1]]), "FP32", model)) <= FP32_TOL
+
+
+def test_shared_memory_inputs_are_read_into_pinned_memory():
+    import os
+
+    from voxserve.client.shm import SharedMemoryBuffer
+
+    with running_server(device="cuda") as srv:
+        assert srv.wait_ready(), srv.server.load_error
+        model = srv.server.state.runner.model
+        rng = np.random.default_rng()
+        x = rng.standard_normal((8, 3, 16, 32, 32), dtype=np.float32)
+        with Client(srv.url) as c, SharedMemoryBuffer(f"vox_pin_{os.getpid()}", x.nbytes) as buf:
+            buf.write(x)
+            c.register_system_shared_memory("in", buf.key, x.nbytes)
+            direct = model.pipeline.direct_bytes
+            y = c.infer_shared_memory(x.shape, "in")
+            assert model.pipeline.direct_bytes - direct == x.nbytes
+            c.unregister_system_shared_memory()
+        assert relative_error(torch.from_numpy(y), _ref(x, "FP32", model)) <= FP32_TOL
+
+
 def test_concurrent_batches_overlap_and_stay_correct():
     model = _model(max_batch=16)
     metrics = Metrics("voxnet", gpu_metrics=False)
