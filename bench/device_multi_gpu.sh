@@ -7,6 +7,7 @@ OUT=${OUT:-$PWD/device-out}
 mkdir -p "$OUT"
 [ -d /tmp/site ] && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 python3 bench/multi_gpu_probe.py --out "$OUT/multi-gpu.md" 2>&1 | tail -12
+python3 bench/multi_gpu_probe.py --pinned --out "$OUT/multi-gpu-pinned.md" 2>&1 | tail -12
 for devices in 0 all; do
   voxserve serve --grpc-port 18302 --metrics-port 18303 --devices $devices > "$OUT/serve-$devices.log" 2>&1 &
   pid=$!
@@ -16,7 +17,7 @@ for devices in 0 all; do
   done
   echo "## --devices $devices"
   python3 -c "from voxserve.client import Client; c = Client('localhost:18302'); g = c.model_config().instance_group[0]; print('instance group: count', g.count, 'gpus', list(g.gpus))"
-  voxserve bench --url localhost:18302 --batch 128 --concurrency 4,16 --duration 5 --shared-memory 2> /dev/null
+  voxserve bench --url localhost:18302 --batch 128 --concurrency 4,8,16 --duration 5 --shared-memory 2> /dev/null
   curl -s localhost:18303/metrics | grep -E '^voxserve_gpu_utilization_ratio' || true
   kill -TERM $pid; wait $pid
 done 2>&1 | tee "$OUT/multi-gpu-service.txt"

@@ -34,13 +34,19 @@ def _utilisation(stop: threading.Event, samples: dict[int, list[int]]) -> None:
         time.sleep(0.1)
 
 
-def measure(gpus: list[int], batch: int, concurrency: int, seconds: float) -> dict:
+def measure(gpus: list[int], batch: int, concurrency: int, seconds: float, pinned: bool = False) -> dict:
     models = [Model(default_weights(), torch.device(f"cuda:{i}"), "fused-cuda", 128) for i in gpus]
     for m in models:
         m.warm_up()
     runner = Runner(models, ModelStats(), Metrics("voxnet", gpu_metrics=False), BatchingConfig(True, 0.0, 4096))
     rng = np.random.default_rng(0)
     inputs = [rng.standard_normal((batch, 3, 16, 32, 32), dtype=np.float32) for _ in range(concurrency)]
+    if pinned:  # as shared-memory inputs arrive: in pinned memory, sent to the GPU without a staging copy
+        from voxserve.server.pipeline import pinned_buffer
+
+        for i, x in enumerate(inputs):
+            inputs[i] = np.frombuffer(pinned_buffer(x.nbytes), dtype=np.float32).reshape(x.shape)
+            inputs[i][...] = x
     util: dict[int, list[int]] = {i: [] for i in range(torch.cuda.device_count())}
     stop = threading.Event()
     sampler = threading.Thread(target=_utilisation, args=(stop, util))
@@ -73,19 +79,23 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=128)
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--seconds", type=float, default=10.0)
+    parser.add_argument("--pinned", action="store_true",
+                        help="inputs in pinned memory (the shared-memory path: no staging copy)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     count = torch.cuda.device_count()
-    rows = [measure([0], args.batch, args.concurrency, args.seconds)]
+    rows = [measure([0], args.batch, args.concurrency, args.seconds, args.pinned)]
     if count > 1:
-        rows.append(measure(list(range(count)), args.batch, args.concurrency, args.seconds))
+        rows.append(measure(list(range(count)), args.batch, args.concurrency, args.seconds, args.pinned))
     name = torch.cuda.get_device_name(0)
     lines = [f"# Runner throughput, 1 vs {count} GPUs ({name})", "",
              f"- date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC",
              f"- command: `python bench/multi_gpu_probe.py --batch {args.batch} --concurrency {args.concurrency} "
-             f"--seconds {args.seconds}`",
+             f"--seconds {args.seconds}{' --pinned' if args.pinned else ''}`",
              f"- requests of ({args.batch}, 3, 16, 32, 32) FP32 from host memory, {args.concurrency} outstanding; "
-             "the runner stages each through pinned memory and its GPU's copy/compute streams (no gRPC)", "",
+             + ("inputs in pinned memory, sent to the GPU in place (the shared-memory path)" if args.pinned else
+                "the runner stages each through pinned memory")
+             + " and its GPU's copy/compute streams (no gRPC)", "",
              "| GPUs | samples/s | scaling | mean utilisation per GPU (NVML) |", "|---|---:|---:|---|"]
     base = rows[0]["samples_per_s"]
     for r in rows:
