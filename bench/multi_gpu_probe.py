@@ -81,10 +81,13 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=10.0)
     parser.add_argument("--pinned", action="store_true",
                         help="inputs in pinned memory (the shared-memory path: no staging copy)")
+    parser.add_argument("--all-only", action="store_true", help="measure all GPUs only (e.g. under a profiler)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     count = torch.cuda.device_count()
-    rows = [measure([0], args.batch, args.concurrency, args.seconds, args.pinned)]
+    rows = []
+    if not (args.all_only and count > 1):
+        rows.append(measure([0], args.batch, args.concurrency, args.seconds, args.pinned))
     if count > 1:
         rows.append(measure(list(range(count)), args.batch, args.concurrency, args.seconds, args.pinned))
     name = torch.cuda.get_device_name(0)
@@ -97,7 +100,7 @@ def main() -> None:
                 "the runner stages each through pinned memory")
              + " and its GPU's copy/compute streams (no gRPC)", "",
              "| GPUs | samples/s | scaling | mean utilisation per GPU (NVML) |", "|---|---:|---:|---|"]
-    base = rows[0]["samples_per_s"]
+    base = rows[0]["samples_per_s"]  # with --all-only: relative to itself
     for r in rows:
         util = ", ".join(f"gpu{i} {u:.0f} %" for i, u in r["util"].items())
         lines.append(f"| {','.join(map(str, r['gpus']))} | {r['samples_per_s']:.0f} | "

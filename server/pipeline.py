@@ -59,13 +59,19 @@ def _round_up(n: int) -> int:
 
 
 class _Slot:
-    """Pinned host input, device input and pinned host output for one execution in flight."""
+    """Pinned host input, device input, pinned host output and the timing events of one execution in flight.
+
+    The events are made once per slot (a slot is reused only after its execution's last event completed)
+    instead of five new CUDA events per execution: in a py-spy profile of two runners on two GPUs, event
+    creation + record were ~17 % of the submit threads' samples."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.host = torch.empty(0, dtype=torch.uint8)
         self.dev = torch.empty(0, dtype=torch.uint8, device=device)
         self.out = torch.empty(0, dtype=torch.float32)
+        with torch.cuda.device(device):
+            self.events = tuple(torch.cuda.Event(enable_timing=True) for _ in range(5))
 
     def reserve(self, nbytes: int, out_floats: int) -> None:
         if self.host.numel() < nbytes:
@@ -134,7 +140,7 @@ class CudaPipeline:
                     self.staged_bytes += nbytes
                 else:
                     self.direct_bytes += nbytes
-            events = tuple(torch.cuda.Event(enable_timing=True) for _ in range(5))
+            events = slot.events
             h2d_start, h2d_end, start, end, done = events
             with torch.cuda.stream(self.copy_stream):
                 h2d_start.record()
