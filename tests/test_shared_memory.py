@@ -150,3 +150,27 @@ def test_region_limits():
         c.register_system_shared_memory("a", buf.key, 512)
         code, message = _code(lambda: c.register_system_shared_memory("b", buf.key, 256))
         assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "--max-shm-regions" in message
+
+
+def test_reads_land_in_the_allocators_memory_and_survive_an_unregister_meanwhile():
+    from voxserve.server.shm import SharedMemoryRegistry
+
+    registry = SharedMemoryRegistry()
+    data = np.arange(1024, dtype=np.uint8)
+    with SharedMemoryBuffer(_name("vox_r"), data.nbytes) as buf:
+        buf.write(data)
+        registry.register("r", buf.key, 0, data.nbytes)
+        given = []
+
+        def allocate(n):  # as the GPU server's pinned allocator: read() fills what it hands out
+            view = memoryview(bytearray(n))
+            given.append(view)
+            registry.unregister("r")  # the region's own descriptor closes while the copy is to start
+            return view
+
+        registry.allocate = allocate
+        out = registry.read("r", 16, 512, "input 'x'")
+        assert out is given[0] and bytes(out) == data[16:528].tobytes()
+        with pytest.raises(Exception, match="not registered"):
+            registry.read("r", 0, 1, "input 'x'")
+    registry.close()
