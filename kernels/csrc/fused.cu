@@ -338,24 +338,25 @@ __global__ void __launch_bounds__(kMaxThreads, CSPLIT == 1 ? 2 : 3)
 // ---------------------------------------------------------------------------
 // Tensor-core kernel (reference configuration, contiguous float32): implicit GEMM on mma.sync
 // m16n8k4 TF32. TERMS = 3 keeps float32 accuracy with the 3xTF32 split
-// (a*b ~ a_hi*b_lo + a_lo*b_hi + a_hi*b_hi, hi = tf32(a), lo = tf32(a - hi)); TERMS = 1 is plain TF32
+// (a*b ~ a_hi*b_lo + a_lo*b_hi + a_hi*b_hi, hi = tf32(a), lo = a - hi taken to TF32: by cvt.rna for the
+// weights, by the MMA's truncation for the inputs, at most 2^-21 of a); TERMS = 1 is plain TF32
 // (the tf32 precision mode).
 //
 // GEMM: M = 16 output channels, N = voxels, K = taps. The 81 taps are 27 input rows (ci, kd, kh) x 3 kw;
 // lane tig (= lane % 4) holds the K slot of every k-step for the rows r = 4p + tig (p = 0..6), k-step
 // q = 3p + kw (21 k-steps; 84 slots, the 3 padding slots have zero weights). The weights are the A
-// operand, split and kept in registers for the whole block. The input is the B operand, one register
-// per MMA: a warp computes one output row of 32 voxels at a time as 4 n-tiles, lane gid (= lane / 4)
-// being voxel 4*gid + j of n-tile j, so for one input row a lane needs the 6 inputs 4*gid .. 4*gid+5 for
-// all 12 (voxel, kw) pairs, two 16-byte shared-memory loads per split term, each value used as it
-// was loaded (no register moves to assemble operand fragments).
+// operand: split once per block into per-lane fragments in shared memory, one 16-byte load per k-step
+// (in registers they took 84 of 162 and capped the block count). The input is the B operand, one
+// register per MMA: a warp computes one output row of 32 voxels at a time as 4 n-tiles, lane gid
+// (= lane / 4) being voxel 4*gid + j of n-tile j, so for one input row a lane needs the 6 inputs
+// 4*gid .. 4*gid+5 for all 12 (voxel, kw) pairs: two 16-byte shared-memory loads, split into hi / lo
+// once per row and lane, each value used as is (no register moves to assemble operand fragments).
 //
-// Staging: a ring of K+1 input planes, already split into hi and lo (converted once per staged
-// element, not once per use). Plane od+K is copied with cp.async into its ring slot (which held plane
-// od-1) while plane od is computed; each thread then splits the chunks it copied itself, in place.
-// The ring's strides make every load conflict-free: row pitch 40 floats (= 8 mod 32), channel stride
-// = 8 mod 32 floats, slot stride = 24 mod 32, so the 4 rows a warp's 4 tig groups load at once start in
-// 4 different 8-bank groups (row r's group is r mod 4 plus a constant, and r = tig mod 4).
+// Staging: a ring of K+1 raw input planes. Plane od+K is copied with cp.async into its ring slot
+// (which held plane od-1) while plane od is computed. The ring's strides make every load
+// conflict-free: row pitch 40 floats (= 8 mod 32), channel stride = 8 mod 32 floats, slot stride = 24
+// mod 32, so the 4 rows a warp's 4 tig groups load at once start in 4 different 8-bank groups (row r's
+// group is r mod 4 plus a constant, and r = tig mod 4).
 // Epilogue: a voxel's 16 channels lie in the 8 lanes of one tig (2 per lane); softmax by shuffles.
 constexpr int kTcPitch = 40;   // floats per staged row (34 used: 32 columns + K-1 halo, read as 2 x float4)
 constexpr int kTcTileW = 32;   // output columns per block
@@ -367,7 +368,7 @@ constexpr int kTcMaxThreads = 32 * kTcMaxWarps;
 constexpr int kTcMaxTy = 18;  // rows per tile (shared memory: 4 planes x 3 channels x (ty + 2) rows, hi and lo)
 
 struct TcLayout {
-  int in_h, cs, ss, ring_floats;  // staged rows per plane, channel stride, slot stride, one ring (hi or lo)
+  int in_h, cs, ss, ring_floats;  // staged rows per plane, channel stride, slot stride, the ring
 };
 
 __host__ __device__ inline TcLayout tc_layout(int ty) {
@@ -376,8 +377,6 @@ __host__ __device__ inline TcLayout tc_layout(int ty) {
   l.cs = l.in_h * kTcPitch;
   l.cs += ((8 - l.cs % 32) + 32) % 32;  // channel stride = 8 (mod 32)
   l.ss = 3 * l.cs;                      // slot stride = 24 (mod 32)
-  // A slot also holds the split weights (16 x 81 floats per ring) during the block's prologue.
-  while (l.ss < 16 * 81) l.ss += 32;
   l.ring_floats = 4 * l.ss;
   return l;
 }
@@ -395,8 +394,7 @@ __device__ __forceinline__ void mma_tf32_k4(float (&d)[4], uint32_t a0, uint32_t
 }
 
 // Staging of one input plane, (ci, r, q) = channel, staged row, float4 chunk. With R = blockDim.x / 9,
-// thread tid < 9R takes chunk q = tid % 9 of rows tid / 9, +R, +2R, ... (all 3 channels' rows in turn);
-// the same thread later splits what it copied.
+// thread tid < 9R takes chunk q = tid % 9 of rows tid / 9, +R, +2R, ... (all 3 channels' rows in turn).
 template <typename F>
 __device__ __forceinline__ void tc_for_my_chunks(int in_h, F f) {
   const int tid = threadIdx.x, rows_at_once = blockDim.x / kTcChunks;
@@ -412,11 +410,11 @@ __device__ __forceinline__ void tc_for_my_chunks(int in_h, F f) {
 }
 
 // Issue the cp.async copies of input plane d (3 channels, rows h0.., columns w0..w0+35) into ring slot
-// `slot` of the hi ring, as one commit group (zero-filled outside the input).
+// `slot`, as one commit group (zero-filled outside the input).
 __device__ __forceinline__ void tc_copy_plane(const float* __restrict__ xn, const Shape& s, int d, int h0, int w0,
-                                              const TcLayout& l, float* __restrict__ hi, int slot) {
+                                              const TcLayout& l, float* __restrict__ ring, int slot) {
   const float* plane = xn + (long long)d * s.sd;
-  float* dst_slot = hi + slot * l.ss;
+  float* dst_slot = ring + slot * l.ss;
   tc_for_my_chunks(l.in_h, [&](int ci, int r, int q) {
     const int gh = h0 + r, gw = w0 + 4 * q;
     const bool inside = gh < s.h && gw < s.w;
@@ -427,25 +425,6 @@ __device__ __forceinline__ void tc_copy_plane(const float* __restrict__ xn, cons
   asm volatile("cp.async.commit_group;\n" ::);
 }
 
-// Split this thread's chunks of ring slot `slot` in place: hi = tf32(x), lo = tf32(x - hi).
-template <int TERMS>
-__device__ __forceinline__ void tc_split_plane(const TcLayout& l, float* __restrict__ hi, float* __restrict__ lo,
-                                               int slot) {
-  tc_for_my_chunks(l.in_h, [&](int ci, int r, int q) {
-    const int off = slot * l.ss + ci * l.cs + r * kTcPitch + 4 * q;
-    const float4 v = *reinterpret_cast<const float4*>(hi + off);
-    const float x[4] = {v.x, v.y, v.z, v.w};
-    float h[4], o[4];
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      h[j] = __uint_as_float(tf32_bits(x[j]));
-      o[j] = __uint_as_float(tf32_bits(x[j] - h[j]));
-    }
-    *reinterpret_cast<float4*>(hi + off) = make_float4(h[0], h[1], h[2], h[3]);
-    if (TERMS == 3) *reinterpret_cast<float4*>(lo + off) = make_float4(o[0], o[1], o[2], o[3]);
-  });
-}
-
 template <int TERMS>
 __global__ void __launch_bounds__(kTcMaxThreads, 2)
     fused_tc_kernel(const float* __restrict__ x, const Shape s, const __grid_constant__ ConvWeights<3, 16, 3> p,
@@ -453,8 +432,8 @@ __global__ void __launch_bounds__(kTcMaxThreads, 2)
   constexpr int kTaps = 81;
   extern __shared__ __align__(16) float tc_smem[];
   const TcLayout l = tc_layout(ty);
-  float* hi = tc_smem;
-  float* lo = tc_smem + l.ring_floats;  // unused when TERMS == 1
+  float* ring = tc_smem;
+  uint4* frag = reinterpret_cast<uint4*>(tc_smem + l.ring_floats);  // [k-step][lane]
   const int tile = blockIdx.x, chunk = blockIdx.y, n = blockIdx.z;
   const int h0 = (tile / tiles_w) * ty, w0 = (tile % tiles_w) * kTcTileW;
   const int d_begin = chunk * planes, d_end = min(d_begin + planes, s.od);
@@ -462,45 +441,33 @@ __global__ void __launch_bounds__(kTcMaxThreads, 2)
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
   const int gid = lane >> 2, tig = lane & 3;
 
-  // Planes d_begin .. d_begin+2, split once they land (after the weights are set up).
-  for (int kd = 0; kd < 3; ++kd) tc_copy_plane(xn, s, d_begin + kd, h0, w0, l, hi, (d_begin + kd) & 3);
+  for (int kd = 0; kd < 3; ++kd) tc_copy_plane(xn, s, d_begin + kd, h0, w0, l, ring, (d_begin + kd) & 3);
 
-  // The weights, split once per block into shared memory (one constant-bank load and split per weight
-  // per block, not per thread and fragment), then this lane's A fragments: k-step q is row
-  // 4*(q/3) + tig, kw = q % 3; a0 = channel gid, a1 = channel gid + 8.
-  // They live in ring slot (d_begin + 3) % 4 (hi and lo rings) until plane d_begin+3 is copied there,
-  // after the barrier that follows the first planes' split.
-  float* s_whi = hi + ((d_begin + 3) & 3) * l.ss;  // tc_layout makes a slot large enough
-  float* s_wlo = lo + ((d_begin + 3) & 3) * l.ss;  // TERMS == 3 only
-  for (int i = threadIdx.x; i < 16 * kTaps; i += blockDim.x) {
-    const float w = p.w[i];
-    const float h = __uint_as_float(tf32_bits(w));
-    s_whi[i] = h;
-    if (TERMS == 3) s_wlo[i] = __uint_as_float(tf32_bits(w - h));
-  }
-  __syncthreads();
-  uint32_t ahi[kTcSteps][2], alo[kTcSteps][2];
+  // The A fragments (weights), split, once per block while the first planes land (the block's threads
+  // share the 21 x 32 fragments): k-step q is row 4*(q/3) + tig, kw = q % 3; a0 = channel gid, a1 =
+  // channel gid + 8; {hi0, hi1, lo0, lo1}.
+  for (int i = threadIdx.x; i < kTcSteps * 32; i += blockDim.x) {
+    const int q = i >> 5, ln = i & 31, fg = ln >> 2, ft = ln & 3;
+    const int row = 4 * (q / 3) + ft, kw = q % 3;
+    uint32_t f[4] = {0u, 0u, 0u, 0u};
+    if (row < kTcRows) {
 #pragma unroll
-  for (int q = 0; q < kTcSteps; ++q) {
-    const int row = 4 * (q / 3) + tig, kw = q % 3;
-    const bool real = row < kTcRows;
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int i = (gid + 8 * h) * kTaps + 3 * row + kw;
-      ahi[q][h] = real ? __float_as_uint(s_whi[i]) : 0u;
-      alo[q][h] = real && TERMS == 3 ? __float_as_uint(s_wlo[i]) : 0u;
+      for (int h = 0; h < 2; ++h) {
+        const float w = p.w[(fg + 8 * h) * kTaps + 3 * row + kw];
+        f[h] = tf32_bits(w);
+        f[2 + h] = tf32_bits(w - __uint_as_float(f[h]));
+      }
     }
+    frag[i] = make_uint4(f[0], f[1], f[2], f[3]);
   }
   const float bias_lo = p.b[gid], bias_hi = p.b[gid + 8];
-
   asm volatile("cp.async.wait_group 0;\n" ::);
-  for (int kd = 0; kd < 3; ++kd) tc_split_plane<TERMS>(l, hi, lo, (d_begin + kd) & 3);
   __syncthreads();
 
   float psum[2] = {0.0f, 0.0f};  // channels gid, gid + 8
   for (int od = d_begin; od < d_end; ++od) {
     const bool more = od + 1 < d_end;
-    if (more) tc_copy_plane(xn, s, od + 3, h0, w0, l, hi, (od + 3) & 3);
+    if (more) tc_copy_plane(xn, s, od + 3, h0, w0, l, ring, (od + 3) & 3);
     // Row p of this lane: r = 4p + tig = (ci, kd, kh); the missing row (p = 6, tig = 3) reads row tig
     // (its weights are zero).
     int off[7];
@@ -519,18 +486,16 @@ __global__ void __launch_bounds__(kTcMaxThreads, 2)
         c[j][2] = c[j][3] = bias_hi;
       }
       const int yoff = y * kTcPitch;
-      // Inputs 4*gid .. 4*gid+5 of row p (hi, lo): two 16-byte loads each, row p+1's issued before row
-      // p's MMAs.
-      uint32_t xh[2][8], xl[2][8];
+      // Inputs 4*gid .. 4*gid+5 of row p: two 16-byte loads, row p+1's issued before row p's MMAs, split
+      // into hi = tf32(x) and lo = x - hi as they are used (lo's own rounding to TF32 is the MMA's
+      // truncation: at most 2^-21 of x).
+      float raw[2][8];
       auto load_row = [&](int pi, int buf) {
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
-          const uint4 h = *reinterpret_cast<const uint4*>(hi + off[pi] + yoff + 4 * half);
-          xh[buf][4 * half] = h.x; xh[buf][4 * half + 1] = h.y; xh[buf][4 * half + 2] = h.z; xh[buf][4 * half + 3] = h.w;
-          if (TERMS == 3) {
-            const uint4 o = *reinterpret_cast<const uint4*>(lo + off[pi] + yoff + 4 * half);
-            xl[buf][4 * half] = o.x; xl[buf][4 * half + 1] = o.y; xl[buf][4 * half + 2] = o.z; xl[buf][4 * half + 3] = o.w;
-          }
+          const float4 v = *reinterpret_cast<const float4*>(ring + off[pi] + yoff + 4 * half);
+          raw[buf][4 * half] = v.x; raw[buf][4 * half + 1] = v.y; raw[buf][4 * half + 2] = v.z;
+          raw[buf][4 * half + 3] = v.w;
         }
       };
       load_row(0, 0);
@@ -538,19 +503,25 @@ __global__ void __launch_bounds__(kTcMaxThreads, 2)
       for (int pi = 0; pi < 7; ++pi) {
         const int cur = pi & 1;
         if (pi + 1 < 7) load_row(pi + 1, cur ^ 1);
+        uint32_t xh[6], xl[6];
+#pragma unroll
+        for (int u = 0; u < 6; ++u) {
+          xh[u] = tf32_bits(raw[cur][u]);
+          xl[u] = __float_as_uint(raw[cur][u] - __uint_as_float(xh[u]));
+        }
 #pragma unroll
         for (int kw = 0; kw < 3; ++kw) {
           const int q = 3 * pi + kw;
-          // Term-major order: consecutive MMAs update different accumulators (a dependent MMA waits its
-          // predecessor's full latency).
+          const uint4 a = frag[q * 32 + lane];
+          // Term-major order: consecutive MMAs update different accumulators.
           if (TERMS == 3) {
 #pragma unroll
-            for (int j = 0; j < 4; ++j) mma_tf32_k4(c[j], ahi[q][0], ahi[q][1], xl[cur][j + kw]);
+            for (int j = 0; j < 4; ++j) mma_tf32_k4(c[j], a.x, a.y, xl[j + kw]);
 #pragma unroll
-            for (int j = 0; j < 4; ++j) mma_tf32_k4(c[j], alo[q][0], alo[q][1], xh[cur][j + kw]);
+            for (int j = 0; j < 4; ++j) mma_tf32_k4(c[j], a.z, a.w, xh[j + kw]);
           }
 #pragma unroll
-          for (int j = 0; j < 4; ++j) mma_tf32_k4(c[j], ahi[q][0], ahi[q][1], xh[cur][j + kw]);
+          for (int j = 0; j < 4; ++j) mma_tf32_k4(c[j], a.x, a.y, xh[j + kw]);
         }
       }
       // Column 2*tig + e of n-tile j is voxel 8*tig + 4*e + j; its channels gid and gid + 8 are here, the
@@ -593,10 +564,7 @@ __global__ void __launch_bounds__(kTcMaxThreads, 2)
         }
       }
     }
-    if (more) {
-      asm volatile("cp.async.wait_group 0;\n" ::);
-      tc_split_plane<TERMS>(l, hi, lo, (od + 3) & 3);
-    }
+    if (more) asm volatile("cp.async.wait_group 0;\n" ::);
     __syncthreads();
   }
 
@@ -747,7 +715,10 @@ int allow_smem(size_t dynamic_bytes) {
   return 0;
 }
 
-size_t tc_smem_bytes(int ty, int terms) { return sizeof(float) * tc_layout(ty).ring_floats * (terms == 3 ? 2 : 1); }
+// The ring of raw input planes, then the weight fragments (one 16-byte fragment per k-step and lane).
+size_t tc_smem_bytes(int ty, int /*terms*/) {
+  return sizeof(float) * tc_layout(ty).ring_floats + sizeof(uint4) * kTcSteps * 32;
+}
 
 // Blocks of the tensor-core kernel resident per SM for a block of `warps` warps and `ty` rows (cached per
 // device: the launcher runs on every call).
@@ -774,7 +745,7 @@ int tc_blocks_per_sm(int device, int warps, int ty) {
 // Tensor-core kernel tiling. A block has 4-6 warps and ty = warps x (1..4) rows per plane. Each plane
 // costs a block its staging, split and barrier whatever its rows, so the cost of a tiling is its padded
 // rows weighted by (1 + 1 / rows per warp); among equal costs, more rows per warp. (Measured on H100 at
-// the reference shape: 4 warps x 4 rows 147 us, 5 x 3 164 us, 4 x 2 162 us; bench/kernel_plan_sweep.py.)
+// the reference shape, version 8c: 4 warps x 4 rows 147 us, 5 x 3 164 us, 4 x 2 162 us; bench/kernel_plan_sweep.py.)
 // Small batches are latency-bound, so the candidates are those giving every SM a (tile, plane), else
 // the tiling with the most tiles. Then the D range is cut into the chunk count that needs the fewest
 // block-planes per SM (waves x planes per block, plus the K-1 halo planes each chunk restages).
