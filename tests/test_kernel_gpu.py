@@ -106,7 +106,7 @@ def test_tf32_mode_within_its_stated_bound(rng, shape):
         if shape[4] % 4 == 0:  # contiguous float32 rows of whole 16-byte pieces: the tensor-core kernel's input
             # The mode really multiplies in TF32 there (results differ from the float32 path).
             assert not torch.equal(tf32, fused_forward(x, w, b))
-    # Inputs the tensor-core kernel does not take (non-contiguous, float16) stay float32 in tf32 mode.
+    # Inputs the tensor-core kernel does not take (here: not W-contiguous) stay float32 in tf32 mode.
     xs = torch.randn(shape, generator=rng).to(DEV).transpose(3, 4)
     assert relative_error(fused_forward(xs, w, b, "tf32"), reference_float64(xs, w, b)) <= FP32_TOL
 

@@ -365,7 +365,7 @@ constexpr int kTcRows = 27;    // input rows (ci, kd, kh) of the reference confi
 constexpr int kTcSteps = 21;   // k-steps of 4 slots: 7 rows x 3 kw per tig
 constexpr int kTcMaxWarps = 6;
 constexpr int kTcMaxThreads = 32 * kTcMaxWarps;
-constexpr int kTcMaxTy = 18;  // rows per tile (shared memory: 4 planes x 3 channels x (ty + 2) rows, hi and lo)
+constexpr int kTcMaxTy = 18;  // rows per tile (shared memory: 4 planes x 3 channels x (ty + 2) rows)
 
 struct TcLayout {
   int in_h, cs, ss, ring_floats;  // staged rows per plane, channel stride, slot stride, the ring
@@ -393,35 +393,29 @@ __device__ __forceinline__ void mma_tf32_k4(float (&d)[4], uint32_t a0, uint32_t
       : "r"(a0), "r"(a1), "r"(b0));
 }
 
-// Staging of one input plane, (ci, r, q) = channel, staged row, float4 chunk. With R = blockDim.x / 9,
-// thread tid < 9R takes chunk q = tid % 9 of rows tid / 9, +R, +2R, ... (all 3 channels' rows in turn).
-template <typename F>
-__device__ __forceinline__ void tc_for_my_chunks(int in_h, F f) {
-  const int tid = threadIdx.x, rows_at_once = blockDim.x / kTcChunks;
-  if (tid >= rows_at_once * kTcChunks) return;
-  const int q = tid % kTcChunks;
-  int ci = 0, r = tid / kTcChunks;
-  while (r >= in_h) { r -= in_h; ++ci; }
-  while (ci < 3) {
-    f(ci, r, q);
-    r += rows_at_once;
-    while (r >= in_h) { r -= in_h; ++ci; }
-  }
-}
-
 // Issue the cp.async copies of input plane d (3 channels, rows h0.., columns w0..w0+35) into ring slot
-// `slot`, as one commit group (zero-filled outside the input).
+// `slot`, as one commit group (zero-filled outside the input). Chunk (ci, r, q) = channel, staged row,
+// float4: with R = blockDim.x / 9, thread tid < 9R copies chunk q = tid % 9 of rows tid / 9, +R, +2R, ...
+// (all 3 channels' rows in turn).
 __device__ __forceinline__ void tc_copy_plane(const float* __restrict__ xn, const Shape& s, int d, int h0, int w0,
                                               const TcLayout& l, float* __restrict__ ring, int slot) {
-  const float* plane = xn + (long long)d * s.sd;
-  float* dst_slot = ring + slot * l.ss;
-  tc_for_my_chunks(l.in_h, [&](int ci, int r, int q) {
-    const int gh = h0 + r, gw = w0 + 4 * q;
-    const bool inside = gh < s.h && gw < s.w;
-    const float* src = inside ? plane + ci * s.sc + (long long)gh * s.sh + gw : xn;
-    const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(dst_slot + ci * l.cs + r * kTcPitch + 4 * q));
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(inside ? 16 : 0));
-  });
+  const int tid = threadIdx.x, rows_at_once = blockDim.x / kTcChunks;
+  if (tid < rows_at_once * kTcChunks) {
+    const float* plane = xn + (long long)d * s.sd;
+    float* dst_slot = ring + slot * l.ss;
+    const int q = tid % kTcChunks;
+    int ci = 0, r = tid / kTcChunks;
+    while (r >= l.in_h) { r -= l.in_h; ++ci; }
+    while (ci < 3) {
+      const int gh = h0 + r, gw = w0 + 4 * q;
+      const bool inside = gh < s.h && gw < s.w;
+      const float* src = inside ? plane + ci * s.sc + (long long)gh * s.sh + gw : xn;
+      const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(dst_slot + ci * l.cs + r * kTcPitch + 4 * q));
+      asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(inside ? 16 : 0));
+      r += rows_at_once;
+      while (r >= l.in_h) { r -= l.in_h; ++ci; }
+    }
+  }
   asm volatile("cp.async.commit_group;\n" ::);
 }
 
@@ -716,7 +710,7 @@ int allow_smem(size_t dynamic_bytes) {
 }
 
 // The ring of raw input planes, then the weight fragments (one 16-byte fragment per k-step and lane).
-size_t tc_smem_bytes(int ty, int /*terms*/) {
+size_t tc_smem_bytes(int ty) {
   return sizeof(float) * tc_layout(ty).ring_floats + sizeof(uint4) * kTcSteps * 32;
 }
 
@@ -729,7 +723,7 @@ int tc_blocks_per_sm(int device, int warps, int ty) {
   int& slot = cache[device][warps][ty];
   if (slot == 0) {
     constexpr auto kernel = fused_tc_kernel<TERMS>;
-    const size_t smem = tc_smem_bytes(ty, TERMS);
+    const size_t smem = tc_smem_bytes(ty);
     int blocks = 1;
     if (allow_smem<kernel>(smem) != 0 ||
         cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, 32 * warps, smem) != cudaSuccess ||
@@ -742,8 +736,12 @@ int tc_blocks_per_sm(int device, int warps, int ty) {
   return slot;
 }
 
+int tc_blocks_per_sm(int terms, int device, int warps, int ty) {
+  return terms == 3 ? tc_blocks_per_sm<3>(device, warps, ty) : tc_blocks_per_sm<1>(device, warps, ty);
+}
+
 // Tensor-core kernel tiling. A block has 4-6 warps and ty = warps x (1..4) rows per plane. Each plane
-// costs a block its staging, split and barrier whatever its rows, so the cost of a tiling is its padded
+// costs a block its staging and barrier whatever its rows, so the cost of a tiling is its padded
 // rows weighted by (1 + 1 / rows per warp); among equal costs, more rows per warp. (Measured on H100 at
 // the reference shape, version 8c: 4 warps x 4 rows 147 us, 5 x 3 164 us, 4 x 2 162 us; bench/kernel_plan_sweep.py.)
 // Small batches are latency-bound, so the candidates are those giving every SM a (tile, plane), else
@@ -760,7 +758,7 @@ void plan_tensor(const Shape& s, Plan& p) {
     for (int rows = 4; rows >= 1; --rows) {
       const int ty = warps * rows, tiles = (s.oh + ty - 1) / ty;
       if (ty > kTcMaxTy) continue;
-      const int per_sm = p.terms == 3 ? tc_blocks_per_sm<3>(device, warps, ty) : tc_blocks_per_sm<1>(device, warps, ty);
+      const int per_sm = tc_blocks_per_sm(p.terms, device, warps, ty);
       const double cost = (double)tiles * ty * (1.0 + 1.0 / rows);
       const long long units = (long long)s.n * p.tiles_w * tiles * s.od;
       if (units >= sms && cost < best.cost - 1e-9) best = {warps, ty, tiles, per_sm, cost};
@@ -775,7 +773,7 @@ void plan_tensor(const Shape& s, Plan& p) {
   int f_warps = 0, f_ty = 0, f_chunks = 0;
   if (forced != nullptr && sscanf(forced, "%d,%d,%d", &f_warps, &f_ty, &f_chunks) >= 2 && f_warps >= 1 &&
       f_warps <= kTcMaxWarps && f_ty >= 4 && f_ty <= kTcMaxTy) {
-    const int per_sm = p.terms == 3 ? tc_blocks_per_sm<3>(device, f_warps, f_ty) : tc_blocks_per_sm<1>(device, f_warps, f_ty);
+    const int per_sm = tc_blocks_per_sm(p.terms, device, f_warps, f_ty);
     c = {f_warps, f_ty, (s.oh + f_ty - 1) / f_ty, per_sm, 0.0};
   }
   p.threads_x = 32 * c.warps;
@@ -912,7 +910,7 @@ template <int TERMS>
 int launch_tensor(const void* x, const Shape& s, const Plan& plan, const float* w_host, const float* b_host,
                   float* partials, cudaStream_t stream) {
   constexpr auto kernel = fused_tc_kernel<TERMS>;
-  const size_t smem = tc_smem_bytes(plan.ty, TERMS);
+  const size_t smem = tc_smem_bytes(plan.ty);
   if (allow_smem<kernel>(smem) != 0) return 1;
   const dim3 grid(plan.tiles_w * plan.tiles_h, plan.chunks, s.n), block(plan.threads_x);
   kernel<<<grid, block, smem, stream>>>(static_cast<const float*>(x), s, ref_weights(w_host, b_host), partials,
@@ -1005,7 +1003,6 @@ int voxserve_forward(const void* x, int dtype, const long long* sizes, const lon
   if (cout > kGeneralMaxCout && !voxserve_is_specialised(s.cin, cout, k)) {
     return fail("Cout above 64 is not supported by the fused kernel%s", "");
   }
-  // The window kernel copies 16-byte pieces of W-contiguous float32 rows.
   const Plan plan = make_plan(s, variant, precision, window_ok(x, dtype, s));
   if (plan.kernel != kGeneral && (w_host == nullptr || b_host == nullptr)) {
     return fail("the specialised kernels need host copies of the weights%s", "");
