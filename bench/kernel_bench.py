@@ -146,19 +146,20 @@ def main(argv=None) -> int:
         results["fused graph"] = time_fn(graph_call, graph_inputs, args.iters, block)
         results["fused graph (replay only)"] = time_fn(lambda x, entry=entry: entry.replay(), graph_inputs,
                                                        args.iters, block)
-        rows.append((shape, fma_floor, dram_floor, err, err_tf32, results))
+        rows.append((shape, fma_floor, dram_floor, err, err_tf32, results, cuda_kernels.plan(inputs[0])["kernel"]))
         line = "  ".join(f"{k} {v * 1e6:8.1f} us" for k, v in results.items())
         print(f"{shape}: FMA floor {fma_floor * 1e6:.1f} us, DRAM floor {dram_floor * 1e6:.1f} us, "
               f"rel err {err:.1e} (tf32 {err_tf32:.1e})\n    {line}", flush=True)
 
     columns = list(rows[0][5])
-    header = "| shape | FMA floor | DRAM floor | " + " | ".join(columns) + " | fused rel. err | tf32 rel. err |"
-    sep = "|" + "---|" * (len(columns) + 5)
+    header = ("| shape | FMA floor | DRAM floor | " + " | ".join(columns)
+              + " | fused rel. err | tf32 rel. err | fused kernel |")
+    sep = "|" + "---|" * (len(columns) + 6)
     table = [header, sep]
-    for shape, ff, df, err, err_tf32, res in rows:
+    for shape, ff, df, err, err_tf32, res, kernel in rows:
         cells = " | ".join(f"{res[c] * 1e6:.1f}" for c in columns)
         table.append(f"| {'x'.join(map(str, shape))} | {ff * 1e6:.1f} | {df * 1e6:.1f} | {cells} | {err:.1e} "
-                     f"| {err_tf32:.1e} |")
+                     f"| {err_tf32:.1e} | {kernel} |")
     text = "\n".join(table)
     print("\nmicroseconds per call (median)\n" + text)
 

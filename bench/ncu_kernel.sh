@@ -12,7 +12,7 @@ shift $(( $# < 3 ? $# : 3 ))
 ncu --clock-control none -k regex:fused_ -c 1 \
   --section SpeedOfLight --section Occupancy --section WarpStateStats --section LaunchStats --section SourceCounters \
   ${REPORT:+-o $REPORT -f} \
-  --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio,sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active,smsp__issue_active.avg.pct_of_peak_sustained_active,l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_ld.sum,l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_st.sum,smsp__inst_executed.sum" "$@" \
+  --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio,sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active,sm__pipe_tensor_op_gmma_cycles_active.avg.pct_of_peak_sustained_active,smsp__issue_active.avg.pct_of_peak_sustained_active,l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_ld.sum,l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_st.sum,smsp__inst_executed.sum" "$@" \
   python3 - "$SHAPE" "$VARIANT" "$PRECISION" <<'PY' 2>&1 | grep -v "^==PROF==" | grep -vi "^ *----" | sed -e 's/  */ /g'
 import sys
 import torch

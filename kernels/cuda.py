@@ -32,13 +32,14 @@ log = logging.getLogger(__name__)
 SOURCE = Path(__file__).resolve().parent / "csrc" / "fused.cu"
 LIBRARY_NAME = "libvoxserve_fused.so"
 NVCC_FLAGS = ("-O3", "-std=c++17", "-shared", "-Xcompiler", "-fPIC", "-lineinfo")
-DEFAULT_ARCHS = ("9.0",)  # H100 / H200
+DEFAULT_ARCHS = ("9.0a",)  # H100 / H200, with Hopper's arch-specific instructions (wgmma)
 GENERAL_MAX_COUT = 64
 # Kernel choice for the reference configuration (make_plan in csrc/fused.cu): 0 chooses, 1 forces the
 # tile kernel, 2 the sliding-window kernel, 3 the tensor-core kernel (3xTF32; the default), 4 the
-# sliding-window kernel with each voxel's channels split over 2 lanes; 2-4 take contiguous float32 input
-# only, other inputs fall back to the tile kernel.
-VARIANTS = (1, 2, 3, 4)
+# sliding-window kernel with each voxel's channels split over 2 lanes, 5 the warpgroup (wgmma) tensor-core
+# kernel (the default where the library has sm_90a code and the GPU is compute capability 9.0; 3
+# elsewhere); 2-5 take contiguous float32 input only, other inputs fall back to the tile kernel.
+VARIANTS = (1, 2, 3, 4, 5)
 _DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 _PRECISION_CODES = {"fp32": 0, "tf32": 1}  # ops.PRECISIONS
 
@@ -96,7 +97,8 @@ def default_archs() -> tuple[str, ...]:
             return parse_arch_list(os.environ[var])
     if torch.cuda.is_available():
         caps = sorted({torch.cuda.get_device_capability(i) for i in range(torch.cuda.device_count())})
-        return tuple(f"{a}.{b}" for a, b in caps)
+        # 9.0 builds as 9.0a: the warpgroup kernel needs Hopper's arch-specific instructions.
+        return tuple(f"{a}.{b}" + ("a" if (a, b) == (9, 0) else "") for a, b in caps)
     return DEFAULT_ARCHS
 
 
@@ -106,6 +108,14 @@ def _gencode(arch: str) -> list[str]:
     flags = [f"-gencode=arch=compute_{num},code=sm_{num}"]
     if arch.endswith("+PTX"):
         flags.append(f"-gencode=arch=compute_{num},code=compute_{num}")
+    return flags
+
+
+def arch_flags(archs: tuple[str, ...]) -> list[str]:
+    """nvcc flags for the architectures; with 9.0a, VOXSERVE_WGMMA tells the host code the warpgroup kernel is there."""
+    flags = [f for a in archs for f in _gencode(a)]
+    if any(a.removesuffix("+PTX") == "9.0a" for a in archs):
+        flags.append("-DVOXSERVE_WGMMA")
     return flags
 
 
@@ -121,7 +131,7 @@ def build(archs: tuple[str, ...] | None = None, out_dir: Path | None = None, for
     archs = archs or default_archs()
     nvcc = find_nvcc()
     version = subprocess.run([nvcc, "--version"], capture_output=True, text=True, check=False).stdout
-    flags = [*NVCC_FLAGS, *(f for a in archs for f in _gencode(a))]
+    flags = [*NVCC_FLAGS, *arch_flags(archs)]
     digest = hashlib.sha256("\0".join([SOURCE.read_text(), version, *flags]).encode()).hexdigest()[:16]
     target_dir = (out_dir or cache_dir()) / digest
     target = target_dir / LIBRARY_NAME
@@ -248,8 +258,8 @@ def forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, variant: 
     floats = lib.voxserve_workspace_floats(sizes, cout, k)
     if floats < 0:
         raise ValueError(f"shape {tuple(x.shape)} is invalid for kernel size {k}")
-    weight = weight.contiguous()
-    bias = bias.contiguous()
+    weight = weight.to(torch.float32).contiguous()
+    bias = bias.to(torch.float32).contiguous()
     out = torch.empty((n, cout), device=x.device, dtype=torch.float32)
     workspace = torch.empty(floats, device=x.device, dtype=torch.float32)
     w_host_ptr = b_host_ptr = None
@@ -267,7 +277,7 @@ def forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, variant: 
 
 
 PLAN_FIELDS = ("kernel", "threads", "rows", "tiles_h", "tiles_w", "chunks", "blocks_per_sample", "terms")
-KERNEL_NAMES = {0: "general", 1: "tile", 2: "window", 3: "tensor-core", 4: "split-window"}
+KERNEL_NAMES = {0: "general", 1: "tile", 2: "window", 3: "tensor-core", 4: "split-window", 5: "warpgroup"}
 
 
 def plan(x: torch.Tensor, cout: int = 16, k: int = 3, variant: int = 0, precision: str = "fp32") -> dict:

@@ -16,25 +16,35 @@ needs_nvcc = pytest.mark.skipif(shutil.which("nvcc") is None and not os.environ.
 
 
 @needs_nvcc
-def test_kernel_builds_for_sm90_and_hot_kernels_do_not_spill(tmp_path, monkeypatch, capsys):
+def test_kernel_builds_for_sm90a_and_hot_kernels_do_not_spill(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("VOXSERVE_KERNEL_CACHE", str(tmp_path))
-    assert main(["kernel", "build", "--arch", "9.0"]) == 0
+    assert main(["kernel", "build", "--arch", "9.0a"]) == 0
     out = capsys.readouterr().out
     built = list(tmp_path.glob("*/libvoxserve_fused.so"))
     assert len(built) == 1 and built[0].stat().st_size > 0
     report = next(tmp_path.glob("*/ptxas.txt")).read_text()
     # Per entry: the "Compiling entry function" line, then its stack/spill line.
     entries = re.findall(
-        r"Compiling entry function '(\S+)' for 'sm_90'\n[^\n]*\n\s*\d+ bytes stack frame, (\d+) bytes spill stores",
+        r"Compiling entry function '(\S+)' for 'sm_90a'\n[^\n]*\n\s*\d+ bytes stack frame, (\d+) bytes spill stores",
         report)
     hot = [(name, spills) for name, spills in entries if "tile_kernel" in name or "window_kernel" in name
-           or "mma_kernel" in name]
-    assert hot, report[:2000]
+           or "tc_kernel" in name]
+    assert len(hot) >= 4, report[:2000]
     assert all(spills == "0" for _, spills in hot), hot
+    # The warpgroup kernels (one per rows-per-plane count, both precisions) are built, and ptxas kept their
+    # wgmma pipelined (it says C7514 when it serialises them).
+    assert sum("fused_wg_kernel" in name for name, _ in entries) == 16
+    assert "C7514" not in report
     # a second build comes from the cache
-    assert main(["kernel", "build", "--arch", "9.0"]) == 0
+    assert main(["kernel", "build", "--arch", "9.0a"]) == 0
     assert "already built (cache)" in capsys.readouterr().out
     assert "registers" in out
+
+
+def test_sm90a_builds_enable_the_warpgroup_kernel():
+    assert "-DVOXSERVE_WGMMA" in cuda_kernels.arch_flags(("9.0a",))
+    assert "-DVOXSERVE_WGMMA" in cuda_kernels.arch_flags(("8.0", "9.0a+PTX"))
+    assert "-DVOXSERVE_WGMMA" not in cuda_kernels.arch_flags(("8.0", "9.0"))
 
 
 def test_missing_nvcc_is_a_clear_error(monkeypatch, tmp_path):

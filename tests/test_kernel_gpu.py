@@ -112,15 +112,25 @@ def test_tf32_mode_within_its_stated_bound(rng, shape):
 
 
 @pytest.mark.parametrize("shape", [(128, 3, 16, 32, 32), (1, 3, 16, 32, 32), (32, 3, 32, 64, 64), (2, 3, 5, 203, 72)])
-def test_tensor_core_plan_covers_the_output(shape):
+def test_tensor_core_plans_cover_the_output(shape):
     x = torch.empty(shape, device=DEV)
-    for precision, terms in (("fp32", 3), ("tf32", 1)):
-        p = cuda_kernels.plan(x, precision=precision)
-        _, _, d, h, w = shape
-        assert p["kernel"] == "tensor-core" and p["terms"] == terms
-        assert p["rows"] <= 18 and p["rows"] % (p["threads"] // 32) == 0
-        assert p["tiles_h"] * p["rows"] >= h - 2 > (p["tiles_h"] - 1) * p["rows"]
-        assert p["tiles_w"] * 32 >= w - 2 and 1 <= p["chunks"] <= d - 2
+    # The warpgroup kernel is the default where the library has sm_90a code for a compute-capability-9.0 GPU,
+    # except for calls of at most 16 K output voxels (the mma.sync kernel starts faster).
+    hopper = torch.cuda.get_device_capability() == (9, 0) and "9.0a" in cuda_kernels.default_archs()
+    small = shape[0] * (shape[2] - 2) * (shape[3] - 2) * (shape[4] - 2) <= 16384
+    default = "warpgroup" if hopper and not small else "tensor-core"
+    for variant, kernel in ((0, default), (3, "tensor-core"), (5, "warpgroup" if hopper else "tensor-core")):
+        for precision, terms in (("fp32", 3), ("tf32", 1)):
+            p = cuda_kernels.plan(x, variant=variant, precision=precision)
+            _, _, d, h, w = shape
+            assert p["kernel"] == kernel and p["terms"] == terms
+            if kernel == "tensor-core":
+                assert p["rows"] <= 18 and p["rows"] % (p["threads"] // 32) == 0
+            else:  # warpgroups of 128 threads, a pair of rows at a time, the same count for each
+                groups = p["threads"] // 128
+                assert groups in (1, 2) and p["rows"] <= 30 and p["rows"] % (2 * groups) == 0
+            assert p["tiles_h"] * p["rows"] >= h - 2 > (p["tiles_h"] - 1) * p["rows"]
+            assert p["tiles_w"] * 32 >= w - 2 and 1 <= p["chunks"] <= d - 2
     assert cuda_kernels.plan(x.transpose(3, 4))["kernel"] == "tile"  # not W-contiguous
 
 

@@ -32,7 +32,9 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <algorithm>
 #include <type_traits>
+#include <utility>
 
 namespace {
 
@@ -583,6 +585,317 @@ __global__ void __launch_bounds__(kTcMaxThreads, 2)
 }
 
 // ---------------------------------------------------------------------------
+// Warpgroup tensor-core kernel (sm_90a, reference configuration, contiguous float32): the same implicit
+// GEMM with wgmma, which issues a 64-row product per warpgroup and runs at about twice mma.sync's rate
+// when N >= 32 (bench/tensor_rate_probe.cu, H100: m64n32k8 480 TFLOPS, m64n16k8 285, mma.sync m16n8k4 234).
+//
+// GEMM: M = 64 voxels per warpgroup (2 output rows x 32 columns; warp w owns row w / 2, columns
+// 16 (w % 2) .. +15), N = output channels, K = taps in 11 k-steps of 8. The input is the A operand, from
+// registers: lane (gid, tig) holds voxels gid and gid + 8 of its warp and, in k-step s, the taps i = 2s
+// (fragment registers 0, 1) and 2s + 1 (registers 2, 3) of its own tap list: i = 3p + kw, input row
+// r = 4p + tig (the mma.sync kernel's assignment, whose ring strides make these loads conflict-free);
+// i = 21 and r = 27 are padding with zero weights. The weights are the B operand in shared memory, per
+// k-step an 8 x 32 matrix [W_hi | W_lo] (no swizzle, K-major core matrices: K halves 512 bytes apart,
+// 8-channel groups 128 bytes apart).
+// 3xTF32 with two instructions per k-step: m64n32k8 of x_hi with [W_hi | W_lo] gives x_hi W_hi and
+// x_hi W_lo side by side in one accumulator, m64n16k8 of x_lo with W_hi (the first 16 columns of the
+// same matrix) the third term. TERMS = 1: x_hi W_hi alone (m64n16k8).
+// Pipeline: the k-steps run in chunks of 2; a chunk's A fragments are loaded and split while the
+// previous chunk's products run (wgmma.wait_group 1), and a row pair's epilogue runs while the next
+// pair's first chunk is in flight (two accumulator sets). Only sm_90a code has a body; the host offers
+// this kernel where the library was built with it (VOXSERVE_WGMMA) and the GPU is compute capability 9.0.
+// Staging (ring of K+1 raw planes, cp.async) and the block reduction as in fused_tc_kernel.
+constexpr int kWgSteps = 11;         // k-steps of 8 taps (88 slots, 81 used)
+constexpr int kWgChunk = 2;          // k-steps per wgmma group
+constexpr int kWgMaxGroups = 2;      // warpgroups per block
+constexpr int kWgMaxTy = 30;         // rows per block tile
+constexpr int kWgBBytes = 1024;      // B matrix bytes per k-step (8 x 32 float)
+
+__host__ __device__ inline size_t wg_smem_bytes(int ty) {
+  return sizeof(float) * tc_layout(ty).ring_floats + kWgBBytes * kWgSteps;
+}
+
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+// sm_90 matrix descriptor without swizzle: start address, leading (K) and stride (M/N) byte offsets, >> 4.
+__device__ __forceinline__ uint64_t wg_desc(uint32_t addr, uint32_t k_offset, uint32_t n_offset) {
+  return static_cast<uint64_t>((addr >> 4) & 0x3FFF) | (static_cast<uint64_t>((k_offset >> 4) & 0x3FFF) << 16) |
+         (static_cast<uint64_t>((n_offset >> 4) & 0x3FFF) << 32);
+}
+
+// d (64 x 32) (+)= a (64 x 8, registers) * B (8 x 32, shared memory); ACC = 0 overwrites d.
+template <int ACC>
+__device__ __forceinline__ void wgmma_n32(float (&d)[16], const uint32_t (&a)[4], uint64_t b) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %21, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n32k8.f32.tf32.tf32 "
+      "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15}, {%16,%17,%18,%19}, %20, p, 1, 1;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "n"(ACC));
+}
+
+template <int ACC>
+__device__ __forceinline__ void wgmma_n16(float (&d)[8], const uint32_t (&a)[4], uint64_t b) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %13, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n16k8.f32.tf32.tf32 "
+      "{%0,%1,%2,%3,%4,%5,%6,%7}, {%8,%9,%10,%11}, %12, p, 1, 1;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "n"(ACC));
+}
+
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void wgmma_wait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+}
+// Pin accumulator registers at this point of the program: reads of one accumulator set while another's
+// products are in flight stay between the waits, and ptxas keeps the wgmmas pipelined (without these it
+// serialises them, warning C7514).
+template <int N>
+__device__ __forceinline__ void pin(float (&r)[N]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) asm volatile("" : "+f"(r[i])::"memory");
+}
+#endif
+
+// The activation + softmax of a finished tile (acc: x_hi [W_hi | W_lo], acc_lo: x_lo W_hi) added to psum.
+// Voxel v of this lane is column col + 8v of output row oh; its channel 8j + 2 tig + e is in
+// acc[4j + 2v + e] (+ acc[8 + 4j + 2v + e] + acc_lo[4j + 2v + e] with TERMS = 3, acc_lo alone with
+// TERMS = 1); the voxel's other 12 channels are in the lanes of the same gid.
+template <int TERMS>
+__device__ __forceinline__ void wg_epilogue(const float (&acc)[16], const float (&acc_lo)[8], const float (&bias)[4],
+                                            bool row_ok, int col_left, float (&psum)[4]) {
+  float act[2][4];
+  float amax = 0.0f;
+#pragma unroll
+  for (int v = 0; v < 2; ++v)
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const int ix = 4 * (j >> 1) + 2 * v + (j & 1);
+      const float logit = TERMS == 3 ? acc[ix] + acc[8 + ix] + acc_lo[ix] : acc_lo[ix];
+      act[v][j] = activation(logit + bias[j]);
+      amax = fmaxf(amax, act[v][j]);
+    }
+  // Activations are >= 0: while every one in the warp is <= 80, exp needs no max subtracted.
+  const bool shift = !__all_sync(0xffffffffu, amax <= 80.0f);
+  float ml[2] = {0.0f, 0.0f};
+  if (shift) {
+#pragma unroll
+    for (int v = 0; v < 2; ++v) {
+      float m = fmaxf(fmaxf(act[v][0], act[v][1]), fmaxf(act[v][2], act[v][3]));
+      m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 1));
+      m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 2));
+      ml[v] = m * kLog2e;
+    }
+  }
+  float ex[2][4], sum[2];
+#pragma unroll
+  for (int v = 0; v < 2; ++v) {
+    sum[v] = 0.0f;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      ex[v][j] = fast_exp2(fmaf(act[v][j], kLog2e, -ml[v]));
+      sum[v] += ex[v][j];
+    }
+  }
+#pragma unroll
+  for (int off = 1; off <= 2; off <<= 1)
+#pragma unroll
+    for (int v = 0; v < 2; ++v) sum[v] += __shfl_xor_sync(0xffffffffu, sum[v], off);
+#pragma unroll
+  for (int v = 0; v < 2; ++v) {
+    const bool ok = row_ok && 8 * v < col_left;
+    const float inv = (ok ? 1.0f : 0.0f) * fast_rcp(sum[v]);
+#pragma unroll
+    for (int j = 0; j < 4; ++j) psum[j] = fmaf(ex[v][j], inv, psum[j]);
+  }
+}
+
+template <int TERMS, int ROUNDS>
+__global__ void __launch_bounds__(128 * kWgMaxGroups, 2)
+    fused_wg_kernel(const float* __restrict__ x, const Shape s, const __grid_constant__ ConvWeights<3, 16, 3> p,
+                    const float* __restrict__ w_dev, float* __restrict__ partials, int tiles_w, int tiles_hw,
+                    int planes, int chunks, int ty) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  constexpr int kTaps = 81;
+  constexpr int kChunks = (kWgSteps + kWgChunk - 1) / kWgChunk;
+  extern __shared__ __align__(128) float wg_smem[];
+  const TcLayout l = tc_layout(ty);
+  float* ring = wg_smem;
+  float* bmat = wg_smem + l.ring_floats;  // [k-step][K half][channel group][8 channels][4 K] floats
+  const int tile = blockIdx.x, chunk = blockIdx.y, n = blockIdx.z;
+  const int h0 = (tile / tiles_w) * ty, w0 = (tile % tiles_w) * kTcTileW;
+  const int d_begin = chunk * planes, d_end = min(d_begin + planes, s.od);
+  const float* xn = x + n * s.sn;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int group = warp >> 2, ngroups = blockDim.x >> 7, wq = warp & 3;
+  const int gid = lane >> 2, tig = lane & 3;
+
+  for (int kd = 0; kd < 3; ++kd) tc_copy_plane(xn, s, d_begin + kd, h0, w0, l, ring, (d_begin + kd) & 3);
+
+  // B, split into hi / lo, once per block while the first planes land (from the weights in global memory:
+  // the by-value copy in the constant bank serialises loads whose addresses differ across a warp). K slot
+  // k of step s is lane tig = k % 4's tap i = 2s + k / 4. All of a thread's loads are issued before the
+  // first use (a batch-1 call waits on this prologue).
+  {
+    constexpr int kElems = kWgSteps * 8 * 32, kPerThread = kElems / 128;
+    float wv[kPerThread];
+#pragma unroll
+    for (int u = 0; u < kPerThread; ++u) {
+      const int e = threadIdx.x + u * (int)blockDim.x;
+      const int st = e >> 8, k = (e >> 5) & 7, col = e & 31;
+      const int i = 2 * st + (k >> 2), row = 4 * (i / 3) + (k & 3), kw = i % 3, co = col & 15;
+      wv[u] = e < kElems && i < 21 && row < kTcRows ? __ldg(w_dev + co * kTaps + 3 * row + kw) : 0.0f;
+    }
+#pragma unroll
+    for (int u = 0; u < kPerThread; ++u) {
+      const int e = threadIdx.x + u * (int)blockDim.x;
+      if (e < kElems) {
+        const int st = e >> 8, k = (e >> 5) & 7, col = e & 31;
+        const float hi = __uint_as_float(tf32_bits(wv[u]));
+        const float v = col < 16 ? hi : __uint_as_float(tf32_bits(wv[u] - hi));
+        bmat[st * (kWgBBytes / 4) + (k >> 2) * 128 + (col >> 3) * 32 + (col & 7) * 4 + (k & 3)] = v;
+      }
+    }
+  }
+  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+  float bias[4];  // channels 2 tig, 2 tig + 1, 8 + 2 tig, 9 + 2 tig
+#pragma unroll
+  for (int j = 0; j < 4; ++j) bias[j] = p.b[8 * (j >> 1) + 2 * tig + (j & 1)];
+  const uint32_t bbase = static_cast<uint32_t>(__cvta_generic_to_shared(bmat));
+  asm volatile("cp.async.wait_group 0;\n" ::);
+  __syncthreads();
+
+  // Per plane, a warpgroup computes ROUNDS row pairs y = 2 (group + r x groups), r = 0 .. ROUNDS-1, unrolled:
+  // each pair's products are issued before the previous pair's epilogue, which runs once the new pair's
+  // first chunk is in flight (two accumulator sets). The plane ends with all products waited for, so no
+  // product is in flight across the loop over planes (the compiler's register copies at a loop edge would
+  // read an accumulator in flight, which makes ptxas serialise every wgmma).
+  const int col0 = 16 * (wq & 1) + gid;  // this lane's first voxel column in the tile
+  const int col_left = s.ow - w0 - col0;  // voxel v of this lane is inside the output while 8v < col_left
+  float psum[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+  float acc0[16], lo0[8], acc1[16], lo1[8];
+  for (int od = d_begin; od < d_end; ++od) {
+    const bool more = od + 1 < d_end;
+    if (more) tc_copy_plane(xn, s, od + 3, h0, w0, l, ring, (od + 3) & 3);
+    int off[7];  // row p of this lane: r = 4p + tig = (ci, kd, kh); the missing row 27 reads row tig
+#pragma unroll
+    for (int pi = 0; pi < 7; ++pi) {
+      const int r = (4 * pi + tig < kTcRows) ? 4 * pi + tig : tig;
+      const int ci = r / 9, kd = (r / 3) % 3, kh = r % 3;
+      off[pi] = ((od + kd) & 3) * l.ss + ci * l.cs + kh * kTcPitch + col0;
+    }
+    // Issue row pair y into (ca, cl); with `previous`, finish the previous pair (pa, pl) after the first chunk.
+    auto issue = [&](int y, float (&ca)[16], float (&cl)[8], bool previous, float (&pa)[16], float (&pl)[8],
+                     bool previous_row_ok) {
+      const float* base = ring + (y + (wq >> 1)) * kTcPitch;
+#pragma unroll
+      for (int c = 0; c < kChunks; ++c) {
+        asm volatile("" ::: "memory");  // keep this chunk's loads here (hoisted, they cost registers and spill)
+        uint32_t ah[kWgChunk][4], al[kWgChunk][4];
+#pragma unroll
+        for (int q = 0; q < kWgChunk; ++q) {
+          const int st = c * kWgChunk + q;
+          if (st < kWgSteps) {
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+              const int i = 2 * st + h < 21 ? 2 * st + h : 0;
+              const float* src = base + off[i / 3] + i % 3;
+#pragma unroll
+              for (int v = 0; v < 2; ++v) {
+                const float xv = src[8 * v];
+                if (TERMS == 3) {  // hi = x truncated to TF32, lo = x - hi exactly (TF32 by the MMA's truncation)
+                  ah[q][2 * h + v] = __float_as_uint(xv) & 0xffffe000u;
+                  al[q][2 * h + v] = __float_as_uint(xv - __uint_as_float(ah[q][2 * h + v]));
+                } else {  // x rounded to TF32 (half away from zero; cvt.rna would add an Inf/NaN check)
+                  ah[q][2 * h + v] = (__float_as_uint(xv) + 0x1000u) & 0xffffe000u;
+                }
+              }
+            }
+          }
+        }
+        wgmma_fence();
+#pragma unroll
+        for (int q = 0; q < kWgChunk; ++q) {
+          const int st = c * kWgChunk + q;
+          if (st < kWgSteps) {
+            const uint64_t b = wg_desc(bbase + st * kWgBBytes, 512, 128);
+            if (TERMS == 3) {
+              if (st == 0) {
+                wgmma_n32<0>(ca, ah[q], b);
+                wgmma_n16<0>(cl, al[q], b);
+              } else {
+                wgmma_n32<1>(ca, ah[q], b);
+                wgmma_n16<1>(cl, al[q], b);
+              }
+            } else if (st == 0) {
+              wgmma_n16<0>(cl, ah[q], b);
+            } else {
+              wgmma_n16<1>(cl, ah[q], b);
+            }
+          }
+        }
+        wgmma_commit();
+        wgmma_wait<1>();  // all but this chunk done: the previous pair, and the registers of chunk c - 1
+        if (c == 0 && previous) {
+          pin(pa);
+          pin(pl);
+          wg_epilogue<TERMS>(pa, pl, bias, previous_row_ok, col_left, psum);
+        }
+      }
+    };
+    // Output row of this warp in round r: h0 + 2 (group + r x groups) + wq / 2.
+    const int row_first = h0 + 2 * group + (wq >> 1), row_step = 2 * ngroups;
+#pragma unroll
+    for (int r = 0; r < ROUNDS; ++r) {
+      const int y = 2 * (group + r * ngroups);
+      const bool prev_ok = row_first + (r - 1) * row_step < s.oh;
+      if (r % 2 == 0) {
+        issue(y, acc0, lo0, r > 0, acc1, lo1, prev_ok);
+      } else {
+        issue(y, acc1, lo1, true, acc0, lo0, prev_ok);
+      }
+    }
+    wgmma_wait<0>();
+    const bool last_ok = row_first + (ROUNDS - 1) * row_step < s.oh;
+    if (ROUNDS % 2 == 1) {
+      pin(acc0);
+      pin(lo0);
+      wg_epilogue<TERMS>(acc0, lo0, bias, last_ok, col_left, psum);
+    } else {
+      pin(acc1);
+      pin(lo1);
+      wg_epilogue<TERMS>(acc1, lo1, bias, last_ok, col_left, psum);
+    }
+    if (more) asm volatile("cp.async.wait_group 0;\n" ::);
+    __syncthreads();
+  }
+
+  // Sum each channel over the 8 lanes of its tig, then over warps in order.
+  __shared__ float red[4 * kWgMaxGroups][16];
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    psum[j] += __shfl_xor_sync(0xffffffffu, psum[j], 4);
+    psum[j] += __shfl_xor_sync(0xffffffffu, psum[j], 8);
+    psum[j] += __shfl_xor_sync(0xffffffffu, psum[j], 16);
+  }
+  if (gid == 0) {
+#pragma unroll
+    for (int j = 0; j < 4; ++j) red[warp][8 * (j >> 1) + 2 * tig + (j & 1)] = psum[j];
+  }
+  __syncthreads();
+  if (threadIdx.x < 16) {
+    float sum = 0.0f;
+    for (int wi = 0; wi < (int)(blockDim.x >> 5); ++wi) sum += red[wi][threadIdx.x];
+    const long long slot = ((long long)n * tiles_hw + tile) * chunks + chunk;
+    partials[slot * 16 + threadIdx.x] = sum;
+  }
+#endif
+}
+
+// ---------------------------------------------------------------------------
 // General kernel
 
 template <typename T, int MAXC>
@@ -672,13 +985,13 @@ int check_launch(const char* what) {
 constexpr int kRefCin = 3, kRefCout = 16, kRefK = 3, kRefV = 4, kRefTX = 8;
 using RefGeometry = TileGeometry<kRefK, kRefV, kRefTX>;
 
-enum Kernel : int { kGeneral = 0, kTile = 1, kWindow = 2, kTensor = 3, kWindowSplit = 4 };
+enum Kernel : int { kGeneral = 0, kTile = 1, kWindow = 2, kTensor = 3, kWindowSplit = 4, kWgmma = 5 };
 
 struct Plan {
   Kernel kernel;
   int threads_x;             // specialised kernels: blockDim.x (kRefTX column groups x channel split;
-                             // tensor-core kernel: 32 x warps)
-  int terms;                 // tensor-core kernel: 3 (3xTF32, float32 accuracy) or 1 (TF32)
+                             // tensor-core kernels: 32 x warps)
+  int terms;                 // tensor-core kernels: 3 (3xTF32, float32 accuracy) or 1 (TF32)
   int tiles_w, tiles_h, ty;  // specialised kernels
   int planes, chunks;        // window kernel: output planes per block, blocks along D
   int blocks;                // per sample
@@ -745,8 +1058,9 @@ int tc_blocks_per_sm(int terms, int device, int warps, int ty) {
 // rows weighted by (1 + 1 / rows per warp); among equal costs, more rows per warp. (Measured on H100 at
 // the reference shape, version 8c: 4 warps x 4 rows 147 us, 5 x 3 164 us, 4 x 2 162 us; bench/kernel_plan_sweep.py.)
 // Small batches are latency-bound, so the candidates are those giving every SM a (tile, plane), else
-// the tiling with the most tiles. Then the D range is cut into the chunk count that needs the fewest
-// block-planes per SM (waves x planes per block, plus the K-1 halo planes each chunk restages).
+// the tiling with the most tiles. Then choose_chunks cuts the D range.
+void choose_chunks(const Shape& s, Plan& p, long long resident, int forced);
+
 void plan_tensor(const Shape& s, Plan& p) {
   int sms = 132, device = 0;
   cudaGetDevice(&device);
@@ -779,8 +1093,13 @@ void plan_tensor(const Shape& s, Plan& p) {
   p.threads_x = 32 * c.warps;
   p.ty = c.ty;
   p.tiles_h = c.tiles;
+  choose_chunks(s, p, (long long)c.per_sm * sms, f_chunks);
+}
+
+// Cut the D range into the chunk count that needs the fewest block-planes per SM (waves x planes per
+// block, plus the K-1 halo planes each chunk restages); `forced` (>= 1) overrides it.
+void choose_chunks(const Shape& s, Plan& p, long long resident, int forced) {
   const int tiles_hw = p.tiles_w * p.tiles_h;
-  const long long resident = (long long)c.per_sm * sms;
   double best_cost = 1e30;
   for (int chunks = 1; chunks <= s.od; ++chunks) {
     const int planes = (s.od + chunks - 1) / chunks;
@@ -793,24 +1112,156 @@ void plan_tensor(const Shape& s, Plan& p) {
       p.planes = planes;
     }
   }
-  if (f_chunks >= 1 && f_chunks <= s.od) p.planes = (s.od + f_chunks - 1) / f_chunks;
+  if (forced >= 1 && forced <= s.od) p.planes = (s.od + forced - 1) / forced;
   p.chunks = (s.od + p.planes - 1) / p.planes;
   p.blocks = tiles_hw * p.chunks;
 }
 
-// variant: 0 chooses (the tensor-core kernel for contiguous float32, else tile); 1 forces tile,
-// 2 window, 3 the tensor-core kernel, 4 the window kernel with Cout split over 2 lanes (2-4 take
-// contiguous float32 only). precision: 0 float32, 1 lets the tensor-core kernel use plain TF32.
+// The warpgroup kernel runs where the library holds sm_90a code (VOXSERVE_WGMMA, set by the build when
+// the architecture list has 9.0a) and the device is compute capability 9.0.
+bool wgmma_available() {
+#ifdef VOXSERVE_WGMMA
+  int device = 0, major = 0, minor = 0;
+  cudaGetDevice(&device);
+  cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
+  cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device);
+  return major == 9 && minor == 0;
+#else
+  return false;
+#endif
+}
+
+// The warpgroup kernel for (terms, rounds): one instantiation per row-pair count of a warpgroup per plane.
+using WgKernel = void (*)(const float*, Shape, ConvWeights<3, 16, 3>, const float*, float*, int, int, int, int, int);
+constexpr int kWgMaxRounds = 8;
+
+template <int TERMS, int... R>
+WgKernel wg_kernel_of(int rounds, std::integer_sequence<int, R...>) {
+  static const WgKernel table[] = {fused_wg_kernel<TERMS, R + 1>...};
+  return table[rounds - 1];
+}
+
+WgKernel wg_kernel(int terms, int rounds) {
+  const auto seq = std::make_integer_sequence<int, kWgMaxRounds>{};
+  return terms == 1 ? wg_kernel_of<1>(rounds, seq) : wg_kernel_of<3>(rounds, seq);
+}
+
+// Raise the warpgroup kernel's dynamic shared-memory limit (per instantiation and device) to `bytes`.
+int wg_allow_smem(int terms, int rounds, size_t bytes) {
+  static size_t configured[kMaxDevices][2][kWgMaxRounds + 1] = {};
+  int device = 0;
+  cudaGetDevice(&device);
+  if (device < 0 || device >= kMaxDevices) return fail("device index out of range%s", "");
+  size_t& slot = configured[device][terms == 1 ? 0 : 1][rounds];
+  if (bytes > slot) {
+    const cudaError_t err = cudaFuncSetAttribute(reinterpret_cast<const void*>(wg_kernel(terms, rounds)),
+                                                 cudaFuncAttributeMaxDynamicSharedMemorySize, (int)bytes);
+    if (err != cudaSuccess) return fail("raising the shared-memory limit failed: %s", cudaGetErrorString(err));
+    slot = bytes;
+  }
+  return 0;
+}
+
+// Blocks of the warpgroup kernel resident per SM (cached per device).
+int wg_blocks_per_sm(int terms, int rounds, int device, int groups) {
+  static int cache[kMaxDevices][2][kWgMaxRounds + 1][kWgMaxGroups + 1];
+  if (device < 0 || device >= kMaxDevices) return 1;
+  int& slot = cache[device][terms == 1 ? 0 : 1][rounds][groups];
+  if (slot == 0) {
+    const size_t smem = wg_smem_bytes(2 * groups * rounds);
+    int blocks = 1;
+    if (wg_allow_smem(terms, rounds, smem) != 0 ||
+        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, reinterpret_cast<const void*>(wg_kernel(terms, rounds)),
+                                                      128 * groups, smem) != cudaSuccess ||
+        blocks < 1) {
+      cudaGetLastError();
+      blocks = 1;
+    }
+    slot = blocks;
+  }
+  return slot;
+}
+
+// Warpgroup kernel tiling: `groups` (1-2) warpgroups per block, each `rounds` (1-8) row pairs per plane, so
+// ty = 2 x groups x rounds rows per tile; and the D chunks. The estimated time of a plan, in row-pair units:
+// waves x (planes per block (+ the restaged halo) x (rounds + 1.5 for the plane's drain and barrier)
+// x W / min(W, 4) + 4 for the block's start), W being the warpgroups an SM holds at once (about 4 keep
+// its tensor cores busy; fewer run each faster). VOXSERVE_WG_PLAN=groups,rows[,chunks] overrides it.
+void plan_wgmma(const Shape& s, Plan& p) {
+  int sms = 132, device = 0;
+  cudaGetDevice(&device);
+  cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+  p.tiles_w = (s.ow + kTcTileW - 1) / kTcTileW;
+  double best = 1e300;
+  int best_groups = 1, best_rounds = 1, best_chunks = 1;
+  for (int groups = 1; groups <= kWgMaxGroups; ++groups) {
+    for (int rounds = 1; rounds <= kWgMaxRounds; ++rounds) {
+      const int ty = 2 * groups * rounds;
+      if (ty > kWgMaxTy || ty - 2 * groups >= s.oh + 1) continue;  // no warpgroup round entirely outside
+      const int tiles_h = (s.oh + ty - 1) / ty;
+      const int per_sm = wg_blocks_per_sm(p.terms, rounds, device, groups);
+      const long long resident = (long long)per_sm * sms;
+      for (int chunks = 1; chunks <= s.od; ++chunks) {
+        const int planes = (s.od + chunks - 1) / chunks;
+        if (chunks > 1 && (s.od + planes - 1) / planes < chunks) continue;
+        const long long blocks = (long long)s.n * p.tiles_w * tiles_h * chunks;
+        const long long waves = (blocks + resident - 1) / resident;
+        const long long per_sm_now = std::min<long long>(per_sm, (blocks + sms - 1) / sms);
+        const double w = (double)(per_sm_now * groups);
+        const double cost =
+            waves * ((planes + (chunks > 1 ? 0.6 : 0.0)) * (rounds + 1.5) * w / std::min(w, 4.0) + 4.0);
+        if (cost < best - 1e-9) {
+          best = cost;
+          best_groups = groups;
+          best_rounds = rounds;
+          best_chunks = chunks;
+        }
+      }
+    }
+  }
+  static const char* forced = getenv("VOXSERVE_WG_PLAN");
+  int f_groups = 0, f_ty = 0, f_chunks = 0;
+  if (forced != nullptr && sscanf(forced, "%d,%d,%d", &f_groups, &f_ty, &f_chunks) >= 2 && f_groups >= 1 &&
+      f_groups <= kWgMaxGroups && f_ty % (2 * f_groups) == 0 && f_ty / (2 * f_groups) >= 1 &&
+      f_ty / (2 * f_groups) <= kWgMaxRounds && f_ty <= kWgMaxTy) {
+    best_groups = f_groups;
+    best_rounds = f_ty / (2 * f_groups);
+    if (f_chunks >= 1 && f_chunks <= s.od) best_chunks = f_chunks;
+  }
+  p.threads_x = 128 * best_groups;
+  p.ty = 2 * best_groups * best_rounds;
+  p.tiles_h = (s.oh + p.ty - 1) / p.ty;
+  p.planes = (s.od + best_chunks - 1) / best_chunks;
+  p.chunks = (s.od + p.planes - 1) / p.planes;
+  p.blocks = p.tiles_w * p.tiles_h * p.chunks;
+}
+
+// variant: 0 chooses (for contiguous float32 the warpgroup kernel where available, else (and for the
+// smallest calls) the tensor-core kernel; else tile); 1 forces tile, 2 window, 3 the tensor-core kernel, 4 the window kernel with Cout
+// split over 2 lanes, 5 the warpgroup kernel (3 where unavailable); 2-5 take contiguous float32 only.
+// precision: 0 float32, 1 lets the tensor-core kernels use plain TF32.
 Plan make_plan(const Shape& s, int variant, int precision, bool window_ok) {
   Plan p{};
   if (!(s.cin == kRefCin && s.cout == kRefCout && s.k == kRefK)) {
     p.kernel = kGeneral;
     const long long voxels = (long long)s.od * s.oh * s.ow;
     p.blocks = static_cast<int>((voxels + kMaxThreads - 1) / kMaxThreads);
-  } else if (window_ok && (variant == 0 || variant == 3)) {
-    p.kernel = kTensor;
+  } else if (window_ok && (variant == 0 || variant == 3 || variant == 5)) {
     p.terms = precision == 1 ? 1 : 3;
-    plan_tensor(s, p);
+    // Below ~16 K output voxels (batch 1 at the reference size) a call is latency-bound and the mma.sync
+    // kernel's shorter block start wins: H100 graph replay at batch 1 13.5 us vs 14.4 us; from batch 2
+    // (25 K voxels) on the warpgroup kernel is as fast or faster (16.6 vs 16.9 us, batch 8 17.2 vs 21.4).
+    const bool small = (long long)s.n * s.od * s.oh * s.ow <= 16384;
+    if (variant == 5 || (variant == 0 && !small)) {
+      if (wgmma_available()) {
+        p.kernel = kWgmma;
+        plan_wgmma(s, p);
+      }
+    }
+    if (p.kernel != kWgmma) {
+      p.kernel = kTensor;
+      plan_tensor(s, p);
+    }
   } else {
     if (variant == 1 || !window_ok) {
       p.kernel = kTile;
@@ -918,6 +1369,18 @@ int launch_tensor(const void* x, const Shape& s, const Plan& plan, const float* 
   return check_launch("fused_tc_kernel");
 }
 
+int launch_wgmma(const void* x, const Shape& s, const Plan& plan, const float* w_dev, const float* w_host,
+                 const float* b_host, float* partials, cudaStream_t stream) {
+  const int rounds = plan.ty / (2 * (plan.threads_x / 128));
+  const size_t smem = wg_smem_bytes(plan.ty);
+  if (wg_allow_smem(plan.terms, rounds, smem) != 0) return 1;
+  const dim3 grid(plan.tiles_w * plan.tiles_h, plan.chunks, s.n), block(plan.threads_x);
+  wg_kernel(plan.terms, rounds)<<<grid, block, smem, stream>>>(
+      static_cast<const float*>(x), s, ref_weights(w_host, b_host), w_dev, partials, plan.tiles_w,
+      plan.tiles_w * plan.tiles_h, plan.planes, plan.chunks, plan.ty);
+  return check_launch("fused_wg_kernel");
+}
+
 template <typename T>
 int dispatch(const void* x, const Shape& s, const Plan& plan, const float* w_dev, const float* b_dev,
              const float* w_host, const float* b_host, float* partials, cudaStream_t stream) {
@@ -928,6 +1391,8 @@ int dispatch(const void* x, const Shape& s, const Plan& plan, const float* w_dev
     case kTensor:
       return plan.terms == 1 ? launch_tensor<1>(x, s, plan, w_host, b_host, partials, stream)
                              : launch_tensor<3>(x, s, plan, w_host, b_host, partials, stream);
+    case kWgmma:
+      return launch_wgmma(x, s, plan, w_dev, w_host, b_host, partials, stream);
     default: return launch_tile<T>(x, s, plan, w_host, b_host, partials, stream);
   }
 }
@@ -960,19 +1425,19 @@ const char* voxserve_last_error() { return g_error; }
 int voxserve_is_specialised(int cin, int cout, int k) { return cin == kRefCin && cout == kRefCout && k == kRefK; }
 
 // Floats of scratch space voxserve_forward needs for this shape, or -1 for an invalid shape: the largest
-// plan's, whatever the input's layout (the tile kernel's, or the tensor-core kernel's at its smallest
-// tiles: 4 rows, one plane per block).
+// plan's, whatever the input's layout (the tile kernel's, or the tensor-core kernels' at their smallest
+// tiles: 2 rows, one plane per block).
 long long voxserve_workspace_floats(const long long* sizes, int cout, int k) {
   const long long strides[5] = {0, 0, 0, 0, 0};
   Shape s;
   if (!fill_shape(sizes, strides, cout, k, &s)) return -1;
   const long long tile = make_plan(s, 1, 0, false).partial_floats;
-  const long long tensor = (long long)s.n * ((s.ow + kTcTileW - 1) / kTcTileW) * ((s.oh + 3) / 4) * s.od * s.cout;
+  const long long tensor = (long long)s.n * ((s.ow + kTcTileW - 1) / kTcTileW) * ((s.oh + 1) / 2) * s.od * s.cout;
   return tile > tensor ? tile : tensor;
 }
 
 // The plan voxserve_forward would run on the current device (for benchmarks and tests): out[0..7] =
-// kernel (0 general, 1 tile, 2 window, 3 tensor-core, 4 split window), threads per block, rows per tile,
+// kernel (0 general, 1 tile, 2 window, 3 tensor-core, 4 split window, 5 warpgroup), threads per block, rows per tile,
 // tiles along H, tiles along W, D chunks, blocks per sample, tensor-core terms (3 or 1; 0 otherwise).
 // Returns 0, or 1 for an invalid shape.
 int voxserve_plan(const void* x, int dtype, const long long* sizes, const long long* strides, int cout, int k,
@@ -988,7 +1453,7 @@ int voxserve_plan(const void* x, int dtype, const long long* sizes, const long l
 // out (N, Cout) float32 = the model on x, enqueued on `stream`. Returns 0, or 1 with voxserve_last_error().
 // w_dev/b_dev: device float32 weights (Cout, Cin, k, k, k) and bias; w_host/b_host: the same values on the host,
 // required when voxserve_is_specialised(). workspace: voxserve_workspace_floats() floats on the device.
-// variant: 0 lets make_plan choose the kernel; 1-4 force one where the input allows it (benchmarks
+// variant: 0 lets make_plan choose the kernel; 1-5 force one where the input allows it (benchmarks
 // compare them). precision: 0 float32 throughout; 1 lets the tensor-core kernel multiply in TF32.
 // device: the CUDA device that x, out and stream belong to (this library has its own CUDA runtime, so the
 // caller's current device is not known here).
