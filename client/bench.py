@@ -75,11 +75,19 @@ async def _stats(channel: grpc.aio.Channel, model: str, metadata) -> pb.ModelSta
 async def run_level(url: str, payload: bytes, samples: int, tensor_bytes: int, concurrency: int, *,
                     duration_s: float | None,
                     requests: int | None, model: str, target: str, timeout_s: float = 120.0,
-                    progress: bool = False, credentials: Credentials = PLAINTEXT) -> LevelResult:
-    """Drive one concurrency level; exactly one of duration_s / requests bounds it."""
+                    progress: bool = False, credentials: Credentials = PLAINTEXT,
+                    connections: int = 1) -> LevelResult:
+    """Drive one concurrency level; exactly one of duration_s / requests bounds it. The workers share
+    ``connections`` connections round-robin (a server of several replicas serves each on one replica; the
+    server-side queue/compute split is then the replica's behind the first connection)."""
     metadata = credentials.metadata()
-    async with credentials.channel(url, _channel_options(DEFAULT_MAX_MESSAGE_BYTES), aio=True) as channel:
-        call = channel.unary_unary(INFER_METHOD)  # bytes in, bytes out: no client-side (de)serialisation
+    async with contextlib.AsyncExitStack() as stack:
+        channels = [await stack.enter_async_context(
+            credentials.channel(url, _channel_options(DEFAULT_MAX_MESSAGE_BYTES), aio=True))
+            for _ in range(max(1, min(connections, concurrency)))]
+        channel = channels[0]
+        # bytes in, bytes out: no client-side (de)serialisation
+        calls = [ch.unary_unary(INFER_METHOD) for ch in channels]
         before = await _stats(channel, model, metadata) if target == "voxserve" else None
         result = LevelResult(target, concurrency, 0, 0, 0.0, samples, tensor_bytes)
         issued = 0
@@ -95,7 +103,7 @@ async def run_level(url: str, payload: bytes, samples: int, tensor_bytes: int, c
                 return True
             return time.perf_counter() < stop_at
 
-        async def worker() -> None:
+        async def worker(call) -> None:
             while more():
                 t0 = time.perf_counter()
                 try:
@@ -112,7 +120,7 @@ async def run_level(url: str, payload: bytes, samples: int, tensor_bytes: int, c
                       f"{time.perf_counter() - started:.0f} s", end="", file=sys.stderr, flush=True)
 
         reporter = asyncio.create_task(report()) if progress else None
-        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        await asyncio.gather(*(worker(calls[i % len(calls)]) for i in range(concurrency)))
         result.seconds = time.perf_counter() - started
         if reporter is not None:
             reporter.cancel()
@@ -251,7 +259,7 @@ def main(args) -> int:
                 results.append(asyncio.run(run_level(url, payload, args.batch, tensor_bytes, c, duration_s=duration,
                                                      requests=args.requests, model=args.model_name, target=target,
                                                      timeout_s=args.timeout_s, progress=not args.json,
-                                                     credentials=target_creds)))
+                                                     credentials=target_creds, connections=args.connections)))
     if args.json:
         print(json.dumps({"shape": list(shape), "dtype": args.dtype, "request_bytes": len(payload),
                           "tensor_bytes": tensor_bytes, "shared_memory": bool(args.shared_memory),

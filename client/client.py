@@ -40,6 +40,9 @@ def _channel_options(max_message_bytes: int) -> list[tuple[str, Any]]:
     return [
         ("grpc.max_receive_message_length", max_message_bytes),
         ("grpc.max_send_message_length", max_message_bytes),
+        # A connection of its own per channel (gRPC otherwise shares one between channels to the same address
+        # in a process): with a server of several replicas (--replicas), each connection is served by one.
+        ("grpc.use_local_subchannel_pool", 1),
     ]
 
 

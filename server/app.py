@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
 import time
 
@@ -16,6 +17,7 @@ from . import weights as weights_io
 from .codec import ModelSpec
 from .metrics import LATENCY_BUCKETS_S, Metrics, parse_buckets
 from .model import Model, select_devices
+from .replicas import REPLICA_DIR_ENV, supervise
 from .runner import BatchingConfig, Runner
 from .service import SERVICE_NAME, InferenceService, ServingState, add_to_server
 from .settings import Settings
@@ -37,7 +39,8 @@ class VoxServer:
         self.settings = settings
         self.state = ServingState(max_batch=settings.max_batch)
         buckets = parse_buckets(settings.latency_buckets_s) if settings.latency_buckets_s else LATENCY_BUCKETS_S
-        self.metrics = Metrics(settings.model_name, buckets)
+        replica_dir = os.environ.get(REPLICA_DIR_ENV)  # one of --replicas: the supervisor serves GPU metrics
+        self.metrics = Metrics(settings.model_name, buckets, gpu_metrics=replica_dir is None)
         self.health = health.aio.HealthServicer()
         options = [
             ("grpc.max_receive_message_length", settings.max_message_bytes),
@@ -57,7 +60,8 @@ class VoxServer:
                                                         settings.tls_client_ca or None)
         self.server = grpc.aio.server(options=options, maximum_concurrent_rpcs=settings.max_concurrent_rpcs,
                                       interceptors=interceptors)
-        self.shm = SharedMemoryRegistry(settings.max_shm_regions, settings.max_shm_bytes)
+        self.shm = SharedMemoryRegistry(settings.max_shm_regions, settings.max_shm_bytes,
+                                        os.path.join(replica_dir, "regions") if replica_dir else None)
         self.service = InferenceService(self.state, self.metrics, settings.model_name, settings.model_version,
                                         self.shm)
         add_to_server(self.service, self.server)
@@ -220,7 +224,10 @@ class VoxServer:
 
 
 def serve(settings: Settings) -> int:
-    """Run a server in this process until it is signalled; the CLI's `serve`."""
+    """Run a server in this process until it is signalled (with --replicas N > 1: N processes); the CLI's
+    `serve`."""
+    if settings.replicas > 1:
+        return supervise(settings)
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
     async def main() -> int:

@@ -96,16 +96,20 @@ class Metrics:
                                           "device_error).", ["model", "reason"], registry=r)
         self.samples = Counter("voxserve_samples", "Samples inferred successfully.", ["model"], registry=r)
         self.input_bytes = Counter("voxserve_input_bytes", "Input tensor bytes received.", ["model"], registry=r)
+        # multiprocess_mode: how the supervisor of --replicas combines its replicas' values (server/replicas.py;
+        # ignored in a single process).
         self.inflight = Gauge("voxserve_inflight_requests", "Inference requests being served now.", ["model"],
-                              registry=r)
-        self.queue_depth = Gauge("voxserve_queue_depth", "Requests waiting for the runner.", ["model"], registry=r)
-        self.model_ready = Gauge("voxserve_model_ready", "1 when the model serves requests.", ["model"], registry=r)
+                              registry=r, multiprocess_mode="livesum")
+        self.queue_depth = Gauge("voxserve_queue_depth", "Requests waiting for the runner.", ["model"], registry=r,
+                                 multiprocess_mode="livesum")
+        self.model_ready = Gauge("voxserve_model_ready", "1 when the model serves requests.", ["model"], registry=r,
+                                 multiprocess_mode="livemin")
         self.startup_duration = Gauge("voxserve_startup_duration_seconds",
                                       "Start-up time by phase: weights (read and checked), kernel (fused kernel "
                                       "built or loaded), warmup (models on their devices, checked vs float64).",
-                                      ["model", "phase"], registry=r)
+                                      ["model", "phase"], registry=r, multiprocess_mode="livemax")
         self.build_info = Gauge("voxserve_build_info", "Constant 1, labelled with version, device and kernel.",
-                                ["version", "device", "kernel"], registry=r)
+                                ["version", "device", "kernel"], registry=r, multiprocess_mode="livemax")
         for gauge in (self.inflight, self.queue_depth, self.model_ready):
             gauge.labels(model).set(0)
         for reason in ("out_of_memory", "device_error"):  # present from the start, so rates and alerts see 0

@@ -53,3 +53,11 @@ def test_bench_over_shared_memory(server, capsys):
 
     with Client(server.url) as c:
         assert c.system_shared_memory_status() == {}  # the bench cleaned up its regions
+
+
+def test_bench_spreads_workers_over_connections(server, capsys):
+    rc = main(["bench", "--url", server.url, "--batch", "2", "--shape", "3,4,5,6", "--concurrency", "4",
+               "--requests", "8", "--connections", "3", "--json"])
+    assert rc == 0
+    level = json.loads(capsys.readouterr().out)["levels"][0]
+    assert level["requests"] == 8 and level["errors"] == 0 and level["server_compute_ms"] > 0

@@ -120,6 +120,9 @@ def build_parser() -> argparse.ArgumentParser:
     limit.add_argument("--requests", type=int, default=None, help="requests per level (instead of --duration)")
     bench.add_argument("--shared-memory", action="store_true",
                        help="put input and output in system shared memory (client and server on one host)")
+    bench.add_argument("--connections", type=int, default=1,
+                       help="connections the workers share (a server with --replicas serves each connection "
+                       "on one replica) [default: %(default)s]")
     bench.add_argument("--compare-raw", action="store_true",
                        help="also send the same bytes to a trivial sink server: the raw gRPC ceiling")
     bench.add_argument("--json", action="store_true", help="print the results as JSON")

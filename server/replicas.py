@@ -1,0 +1,171 @@
+"""``--replicas N``: N server processes behind one gRPC port, e.g. one per GPU.
+
+One Python process reaches a ceiling of executions per second whatever the GPUs can take (measured on
+2x H200, bench/results/multi-gpu-h200x2.md: one process driving both GPUs moved fewer samples than one
+process driving one, two processes with a GPU each moved 2.0x). So the supervisor here starts N
+``voxserve serve`` children that all listen on the same port (SO_REUSEPORT: the kernel spreads incoming
+connections over them), replica i on GPU i (of --devices, or of all visible GPUs), and serves the
+children's metrics, summed, on the metrics port.
+
+What the replicas share, through a run directory the supervisor creates and removes:
+- the system shared-memory registry (a region registered over one connection is usable, listed and
+  unregistered over any other: ``SharedMemoryRegistry(shared_dir=...)``);
+- Prometheus metrics (prometheus_client's multiprocess mode: counters and histograms summed, the
+  in-flight and queue gauges summed over live replicas, readiness the minimum).
+
+What they do not share: ModelStatistics (each replica answers with its own) and the batcher (requests
+are batched within the replica whose connection they arrived on). A connection stays with one replica,
+so a client spreads over replicas by opening several channels (``voxserve bench --connections``).
+
+If a replica exits on its own, the supervisor stops the others and exits non-zero, so the orchestrator
+restarts the whole server; SIGTERM/SIGINT are passed on and each replica drains as a single server does.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Sequence
+
+from .settings import Settings, env_name
+
+log = logging.getLogger("voxserve.replicas")
+
+# Set for the children: the run directory of the shared registry and metrics.
+REPLICA_DIR_ENV = "VOXSERVE_REPLICA_DIR"
+REPLICA_INDEX_ENV = "VOXSERVE_REPLICA_INDEX"
+
+
+def reserve_port(host: str, port: int) -> socket.socket:
+    """Bind (not listen) a SO_REUSEPORT socket on host:port: fixes the port when it is 0 and keeps it ours
+    while the replicas bind it too (they set SO_REUSEPORT as well; only listening sockets get connections)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    sock.bind((host, port))
+    return sock
+
+
+def replica_devices(settings: Settings, replicas: int, gpu_count: int) -> list[tuple[str, str]]:
+    """(--device, --devices) for each replica: GPU i % count of --devices (or of all visible GPUs when the
+    device is auto/cuda and several are visible); otherwise every replica gets the server's own choice."""
+    if settings.devices:
+        indices = list(range(gpu_count)) if settings.devices == "all" else \
+            [int(i) for i in settings.devices.split(",")]
+        if indices:
+            return [(settings.device, str(indices[i % len(indices)])) for i in range(replicas)]
+    if settings.device in ("auto", "cuda") and gpu_count > 1:
+        return [(f"cuda:{i % gpu_count}", "") for i in range(replicas)]
+    return [(settings.device, settings.devices)] * replicas
+
+
+def child_environment(settings: Settings, run_dir: str, index: int, device: str, devices: str, port: int,
+                      base: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment of replica ``index``: every setting as its VOXSERVE_* twin (so no flag needs
+    re-spelling), with its own device, the shared port, no metrics port of its own and one replica."""
+    env = dict(os.environ if base is None else base)
+    for field in dataclasses.fields(Settings):
+        value = getattr(settings, field.name)
+        if value is None:
+            env.pop(env_name(field.name), None)
+            continue
+        env[env_name(field.name)] = ("1" if value else "0") if isinstance(value, bool) else str(value)
+    env.update({
+        env_name("device"): device,
+        env_name("devices"): devices,
+        env_name("grpc_port"): str(port),
+        env_name("metrics_port"): "-1",
+        env_name("replicas"): "1",
+        REPLICA_DIR_ENV: run_dir,
+        REPLICA_INDEX_ENV: str(index),
+        "PROMETHEUS_MULTIPROC_DIR": os.path.join(run_dir, "metrics"),
+    })
+    return env
+
+
+def _gpu_count() -> int:
+    try:
+        import torch
+
+        return torch.cuda.device_count() if torch.cuda.is_available() else 0
+    except Exception:  # no torch build with CUDA here: CPU replicas
+        return 0
+
+
+def supervise(settings: Settings, command: Sequence[str] | None = None) -> int:
+    """Run ``settings.replicas`` replicas until SIGTERM/SIGINT (passed on) or until one exits on its own."""
+    logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    command = list(command) if command is not None else [sys.executable, "-m", "voxserve", "serve"]
+    run_dir = tempfile.mkdtemp(prefix="voxserve-replicas-")
+    os.makedirs(os.path.join(run_dir, "metrics"))
+    os.makedirs(os.path.join(run_dir, "regions"))
+    reserved = reserve_port(settings.host, settings.grpc_port)
+    port = reserved.getsockname()[1]
+    children: list[subprocess.Popen] = []
+    stopping = threading.Event()
+    metrics_server = None
+    try:
+        assignments = replica_devices(settings, settings.replicas, _gpu_count())
+        for i, (device, devices) in enumerate(assignments):
+            env = child_environment(settings, run_dir, i, device, devices, port)
+            children.append(subprocess.Popen(command, env=env))
+            log.info("replica %d (pid %d) on %s, gRPC port %d", i, children[-1].pid, devices or device, port)
+        if settings.metrics_port >= 0:
+            metrics_server, bound = _serve_metrics(settings.host, settings.metrics_port, run_dir)
+            log.info("metrics of %d replicas on %s:%d", len(children), settings.host, bound)
+
+        def forward(signum, _frame) -> None:
+            stopping.set()
+            for child in children:
+                if child.poll() is None:
+                    child.send_signal(signum)
+
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, forward)
+        code = 0
+        while True:
+            exited = [c for c in children if c.poll() is not None]
+            if len(exited) == len(children):
+                break
+            if exited and not stopping.is_set():
+                bad = exited[0]
+                log.error("replica pid %d exited with %s; stopping the others", bad.pid, bad.returncode)
+                code = 1
+                forward(signal.SIGTERM, None)
+            time.sleep(0.1)
+        codes = [c.returncode for c in children]
+        return code or max((abs(c) for c in codes), default=0)
+    finally:
+        for child in children:
+            if child.poll() is None:
+                child.kill()
+                child.wait()
+        if metrics_server is not None:
+            metrics_server.shutdown()
+        reserved.close()
+        shutil.rmtree(run_dir, ignore_errors=True)
+
+
+def _serve_metrics(host: str, port: int, run_dir: str):
+    """The replicas' metrics, summed by prometheus_client's multiprocess collector, plus NVML GPU metrics."""
+    from prometheus_client import CollectorRegistry, start_http_server
+    from prometheus_client.multiprocess import MultiProcessCollector
+
+    from .metrics import NvmlCollector
+
+    registry = CollectorRegistry()
+    MultiProcessCollector(registry, path=os.path.join(run_dir, "metrics"))
+    gpus = NvmlCollector.create()
+    if gpus is not None:
+        registry.register(gpus)
+    server, _thread = start_http_server(port, addr=host, registry=registry)
+    return server, int(server.server_port)

@@ -1,0 +1,133 @@
+"""--replicas: several server processes behind one port, sharing shared-memory regions and metrics."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import uuid
+
+import grpc
+import numpy as np
+import pytest
+import torch
+
+from voxserve.client import Client, InferenceError, SharedMemoryBuffer
+from voxserve.kernels import reference_float64, reference_weights
+from voxserve.server.errors import ServingError
+from voxserve.server.model import relative_error
+from voxserve.server.replicas import child_environment, replica_devices
+from voxserve.server.settings import Settings, validate
+from voxserve.server.shm import SharedMemoryRegistry
+
+from .conftest import REPO
+from .test_lifecycle import _free_port, _metric, _wait_for
+
+W, B = reference_weights()
+
+
+def test_replica_devices_spread_over_the_gpus():
+    assert replica_devices(Settings(devices="all"), 4, 2) == [("auto", "0"), ("auto", "1"), ("auto", "0"),
+                                                              ("auto", "1")]
+    assert replica_devices(Settings(devices="1,3"), 2, 4) == [("auto", "1"), ("auto", "3")]
+    assert replica_devices(Settings(), 2, 2) == [("cuda:0", ""), ("cuda:1", "")]
+    assert replica_devices(Settings(), 2, 0) == [("auto", ""), ("auto", "")]
+    assert replica_devices(Settings(device="cpu"), 3, 2) == [("cpu", "")] * 3
+
+
+def test_child_environment_carries_every_setting():
+    s = Settings(replicas=3, batching=False, max_batch=64, weights=None, metrics_port=9100)
+    env = child_environment(s, "/run/x", 2, "cuda:1", "", 8123, base={"VOXSERVE_WEIGHTS": "stale.safetensors"})
+    assert env["VOXSERVE_BATCHING"] == "0" and env["VOXSERVE_MAX_BATCH"] == "64"
+    assert env["VOXSERVE_DEVICE"] == "cuda:1" and env["VOXSERVE_GRPC_PORT"] == "8123"
+    assert env["VOXSERVE_METRICS_PORT"] == "-1" and env["VOXSERVE_REPLICAS"] == "1"
+    assert "VOXSERVE_WEIGHTS" not in env  # unset in the parent's settings: not inherited from its environment
+    assert env["PROMETHEUS_MULTIPROC_DIR"] == "/run/x/metrics" and env["VOXSERVE_REPLICA_INDEX"] == "2"
+
+
+def test_replicas_setting_is_checked():
+    validate(Settings(replicas=4))
+    with pytest.raises(ValueError, match="--replicas"):
+        validate(Settings(replicas=0))
+
+
+def test_shared_registry_is_one_registry_across_processes(tmp_path):
+    """Two registries on one directory stand for two replicas: what one registers the other serves, an
+    unregister through either takes effect in both, and a name is registered once."""
+    shared = str(tmp_path)
+    a, b = SharedMemoryRegistry(shared_dir=shared), SharedMemoryRegistry(shared_dir=shared)
+    data = np.arange(64, dtype=np.uint8)
+    with SharedMemoryBuffer(f"vox_rep_{uuid.uuid4().hex[:8]}", 64) as seg, \
+            SharedMemoryBuffer(f"vox_rep_{uuid.uuid4().hex[:8]}", 32) as other:
+        seg.write(data)
+        a.register("in", seg.key, 16, 48)
+        assert bytes(b.read("in", 0, 48, "input")) == data[16:].tobytes()
+        assert [(r.name, r.key, r.offset, r.byte_size) for r in b.status("")] == [("in", seg.key, 16, 48)]
+        with pytest.raises(ServingError) as err:
+            b.register("in", seg.key, 0, 8)
+        assert err.value.code == grpc.StatusCode.ALREADY_EXISTS
+        b.unregister("in")
+        for reg in (a, b):
+            with pytest.raises(ServingError) as err:
+                reg.read("in", 0, 8, "input")
+            assert err.value.code == grpc.StatusCode.NOT_FOUND
+        # Registered again (another segment) through b: a serves the new one, not its old descriptor.
+        other.write(np.full(32, 7, dtype=np.uint8))
+        b.register("in", other.key, 0, 32)
+        assert bytes(a.read("in", 0, 4, "input")) == b"\x07" * 4
+        a.close()  # one replica stopping leaves the others' registrations in place
+        assert [r.name for r in b.status("")] == ["in"]
+        b.unregister("")
+        assert a.status("") == [] and os.listdir(shared) == []
+
+
+def test_two_replicas_share_a_port_regions_and_metrics(tmp_path):
+    grpc_port, metrics_port = _free_port(), _free_port()
+    log = open(tmp_path / "server.log", "w+")  # noqa: SIM115 - the server process writes it until the end
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "voxserve", "serve", "--host", "127.0.0.1", "--grpc-port", str(grpc_port),
+         "--metrics-port", str(metrics_port), "--device", "cpu", "--replicas", "2", "--grace-period-s", "20"],
+        cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
+    url = f"127.0.0.1:{grpc_port}"
+    try:
+        # voxserve_model_ready is the minimum over live replicas: 1 once both are ready.
+        _wait_for(lambda: _metric(metrics_port, "voxserve_model_ready") == 1.0, 240, "both replicas ready")
+        clients = [Client(url, timeout_s=60) for _ in range(16)]  # 16 connections: the kernel spreads them
+        rng = np.random.default_rng()
+        x = rng.standard_normal((2, 3, 5, 6, 7), dtype=np.float32)
+        ref = reference_float64(torch.from_numpy(x), W, B)
+        for c in clients:
+            assert relative_error(torch.from_numpy(c.infer(x)), ref) <= 1e-5
+        # Each replica answers ModelStatistics with its own counts: fewer than 16 on some connection means
+        # the 16 requests went to both (all on one replica: probability 2^-15).
+        counts = {c.model_statistics().inference_stats.success.count for c in clients}
+        assert min(counts) < 16, counts
+        assert _metric(metrics_port, "voxserve_samples_total") == 2 * len(clients)  # summed over replicas
+
+        # A region registered over one connection serves requests over every connection (both replicas).
+        with SharedMemoryBuffer(f"vox_rep_{uuid.uuid4().hex[:8]}", x.nbytes) as seg:
+            seg.write(x.view(np.uint8).reshape(-1))
+            clients[0].register_system_shared_memory("rep_in", seg.key, x.nbytes)
+            for c in clients:
+                y = c.infer_shared_memory(x.shape, "rep_in")
+                assert relative_error(torch.from_numpy(y), ref) <= 1e-5
+            clients[5].unregister_system_shared_memory("rep_in")
+            for c in clients:
+                with pytest.raises(InferenceError) as err:
+                    c.infer_shared_memory(x.shape, "rep_in")
+                assert err.value.code == grpc.StatusCode.NOT_FOUND
+        for c in clients:
+            c.close()
+
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        log.seek(0)
+        text = log.read()
+        print(text)
+        log.close()
+    assert text.count("ready: model 'voxnet'") == 2 and text.count("stopped:") == 2
