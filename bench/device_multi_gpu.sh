@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Several GPUs (run on a multi-GPU device machine after bench/device_check.sh installed the package):
 # the runner's throughput on 1 vs all GPUs with NVML utilisation, then the service on one GPU, on all GPUs in
-# one process and with one process per GPU (--replicas), shared memory so that the socket is not the limit.
+# one process (--replicas 1) and with one process per GPU (the default), shared memory so that the socket is
+# not the limit.
 # SKIP_RUNNER=1 leaves the runner probes out.
 set -uo pipefail
 OUT=${OUT:-$PWD/device-out}
@@ -39,6 +40,6 @@ PY
 }
 {
   serve_and_bench one-gpu --devices 0
-  serve_and_bench one-process-all-gpus --devices all
-  serve_and_bench replica-per-gpu --devices all --replicas 2
+  serve_and_bench one-process-all-gpus --devices all --replicas 1
+  serve_and_bench replica-per-gpu --devices all
 } 2>&1 | tee "$OUT/multi-gpu-service.txt"

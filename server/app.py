@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
 import signal
@@ -17,7 +18,7 @@ from . import weights as weights_io
 from .codec import ModelSpec
 from .metrics import LATENCY_BUCKETS_S, Metrics, parse_buckets
 from .model import Model, select_devices
-from .replicas import REPLICA_DIR_ENV, supervise
+from .replicas import REPLICA_DIR_ENV, resolve_replicas, supervise
 from .runner import BatchingConfig, Runner
 from .service import SERVICE_NAME, InferenceService, ServingState, add_to_server
 from .settings import Settings
@@ -226,8 +227,9 @@ class VoxServer:
 def serve(settings: Settings) -> int:
     """Run a server in this process until it is signalled (with --replicas N > 1: N processes); the CLI's
     `serve`."""
-    if settings.replicas > 1:
-        return supervise(settings)
+    replicas = resolve_replicas(settings)
+    if replicas > 1:
+        return supervise(dataclasses.replace(settings, replicas=replicas))
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
     async def main() -> int:

@@ -1,4 +1,4 @@
-"""``--replicas N``: N server processes behind one gRPC port, e.g. one per GPU.
+"""``--replicas N``: N server processes behind one gRPC port, one per GPU by default with ``--devices``.
 
 One Python process reaches a ceiling of executions per second whatever the GPUs can take (measured on
 2x H200, bench/results/multi-gpu-h200x2.md: one process driving both GPUs moved fewer samples than one
@@ -90,6 +90,17 @@ def child_environment(settings: Settings, run_dir: str, index: int, device: str,
         "PROMETHEUS_MULTIPROC_DIR": os.path.join(run_dir, "metrics"),
     })
     return env
+
+
+def resolve_replicas(settings: Settings, gpu_count: int | None = None) -> int:
+    """--replicas, with 0 resolved: one per GPU that --devices names (1 without --devices)."""
+    if settings.replicas:
+        return settings.replicas
+    if not settings.devices:
+        return 1
+    if settings.devices == "all":
+        return max(1, _gpu_count() if gpu_count is None else gpu_count)
+    return len(settings.devices.split(","))
 
 
 def _gpu_count() -> int:

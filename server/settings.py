@@ -43,7 +43,7 @@ class Settings:
     tls_client_ca: str = ""
     auth_token_file: str = ""
     open_health: bool = False
-    replicas: int = 1
+    replicas: int = 0  # 0: one per GPU of --devices (1 without --devices)
 
 
 # flag name, field, type, help. The environment twin is VOXSERVE_<FIELD upper-cased>.
@@ -103,7 +103,8 @@ _FLAGS: Sequence[tuple[str, str, Any, str]] = (
     ("--replicas", "replicas", int,
      "server processes sharing the gRPC port, replica i on GPU i of --devices (or of the visible GPUs): one "
      "process per GPU scales where one process driving several does not; shared-memory regions and metrics "
-     "are shared, ModelStatistics is per replica"),
+     "are shared, ModelStatistics is per replica. 0: one per GPU of --devices (1 without --devices); 1 with "
+     "--devices: one process, one runner per GPU"),
 )  # fmt: skip
 
 
@@ -176,7 +177,7 @@ def validate(s: Settings) -> None:
     need(s.max_request_voxels >= 1, "--max-request-voxels", s.max_request_voxels, "must be >= 1")
     need(s.max_concurrent_rpcs >= 1, "--max-concurrent-rpcs", s.max_concurrent_rpcs, "must be >= 1")
     need(s.grace_period_s >= 0, "--grace-period-s", s.grace_period_s, "must be >= 0")
-    need(1 <= s.replicas <= 64, "--replicas", s.replicas, "must be 1..64")
+    need(0 <= s.replicas <= 64, "--replicas", s.replicas, "must be 0..64 (0: one per GPU of --devices)")
     if s.latency_buckets_s:
         from .metrics import parse_buckets
 

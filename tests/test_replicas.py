@@ -17,7 +17,7 @@ from voxserve.client import Client, InferenceError, SharedMemoryBuffer
 from voxserve.kernels import reference_float64, reference_weights
 from voxserve.server.errors import ServingError
 from voxserve.server.model import relative_error
-from voxserve.server.replicas import child_environment, replica_devices
+from voxserve.server.replicas import child_environment, replica_devices, resolve_replicas
 from voxserve.server.settings import Settings, validate
 from voxserve.server.shm import SharedMemoryRegistry
 
@@ -46,10 +46,15 @@ def test_child_environment_carries_every_setting():
     assert env["PROMETHEUS_MULTIPROC_DIR"] == "/run/x/metrics" and env["VOXSERVE_REPLICA_INDEX"] == "2"
 
 
-def test_replicas_setting_is_checked():
+def test_replicas_setting_is_checked_and_defaults_to_one_per_gpu():
     validate(Settings(replicas=4))
     with pytest.raises(ValueError, match="--replicas"):
-        validate(Settings(replicas=0))
+        validate(Settings(replicas=-1))
+    assert resolve_replicas(Settings()) == 1
+    assert resolve_replicas(Settings(devices="all"), gpu_count=2) == 2
+    assert resolve_replicas(Settings(devices="all"), gpu_count=0) == 1
+    assert resolve_replicas(Settings(devices="0,2,3")) == 3
+    assert resolve_replicas(Settings(devices="all", replicas=1), gpu_count=8) == 1  # one process, a runner each
 
 
 def test_shared_registry_is_one_registry_across_processes(tmp_path):
