@@ -78,8 +78,7 @@ async def run_level(url: str, payload: bytes, samples: int, tensor_bytes: int, c
                     progress: bool = False, credentials: Credentials = PLAINTEXT,
                     connections: int = 1) -> LevelResult:
     """Drive one concurrency level; exactly one of duration_s / requests bounds it. The workers share
-    ``connections`` connections round-robin (a server of several replicas serves each on one replica; the
-    server-side queue/compute split is then the replica's behind the first connection)."""
+    ``connections`` connections round-robin (a server of several replicas serves each on one replica)."""
     metadata = credentials.metadata()
     async with contextlib.AsyncExitStack() as stack:
         channels = [await stack.enter_async_context(

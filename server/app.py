@@ -18,7 +18,7 @@ from . import weights as weights_io
 from .codec import ModelSpec
 from .metrics import LATENCY_BUCKETS_S, Metrics, parse_buckets
 from .model import Model, select_devices
-from .replicas import REPLICA_DIR_ENV, resolve_replicas, supervise
+from .replicas import REPLICA_DIR_ENV, REPLICA_INDEX_ENV, resolve_replicas, supervise
 from .runner import BatchingConfig, Runner
 from .service import SERVICE_NAME, InferenceService, ServingState, add_to_server
 from .settings import Settings
@@ -63,6 +63,11 @@ class VoxServer:
                                       interceptors=interceptors)
         self.shm = SharedMemoryRegistry(settings.max_shm_regions, settings.max_shm_bytes,
                                         os.path.join(replica_dir, "regions") if replica_dir else None)
+        if replica_dir:
+            replica = os.environ.get(REPLICA_INDEX_ENV, str(os.getpid()))
+            self.state.stats.share(os.path.join(replica_dir, "stats"), replica)
+        self._replica_dir = replica_dir
+        self._publish_task: asyncio.Task[None] | None = None
         self.service = InferenceService(self.state, self.metrics, settings.model_name, settings.model_version,
                                         self.shm)
         add_to_server(self.service, self.server)
@@ -109,7 +114,18 @@ class VoxServer:
                  ", bearer token required" if s.auth_token_file else "",
                  f"{s.host}:{self.metrics_port}" if self.metrics_port >= 0 else "off")
         self._load_task = asyncio.create_task(self._load())
+        if self._replica_dir:
+            self._publish_task = asyncio.create_task(self._publish_stats())
         return self.port
+
+    async def _publish_stats(self) -> None:
+        """With --replicas: this replica's statistics for the others' ModelStatistics, twice a second."""
+        while True:
+            try:
+                await asyncio.to_thread(self.state.stats.publish)
+            except OSError as exc:
+                log.warning("publishing statistics failed: %s", exc)
+            await asyncio.sleep(0.5)
 
     async def _load(self) -> None:
         s = self.settings
@@ -196,6 +212,9 @@ class VoxServer:
             self._load_task.cancel()
         if self.state.runner is not None:
             await self.state.runner.close()
+        if self._publish_task is not None:
+            self._publish_task.cancel()
+            self.state.stats.publish()  # the final figures, for the replicas still answering
         self.shm.close()
         stats = self.state.stats.snapshot()
         log.info("stopped: %d requests admitted, %d answered OK, %d abandoned at the end of the grace period",

@@ -11,11 +11,13 @@ What the replicas share, through a run directory the supervisor creates and remo
 - the system shared-memory registry (a region registered over one connection is usable, listed and
   unregistered over any other: ``SharedMemoryRegistry(shared_dir=...)``);
 - Prometheus metrics (prometheus_client's multiprocess mode: counters and histograms summed, the
-  in-flight and queue gauges summed over live replicas, readiness the minimum).
+  in-flight and queue gauges summed over live replicas, readiness the minimum);
+- ModelStatistics (each replica answers with its own live figures plus the others' as published every
+  0.5 s).
 
-What they do not share: ModelStatistics (each replica answers with its own) and the batcher (requests
-are batched within the replica whose connection they arrived on). A connection stays with one replica,
-so a client spreads over replicas by opening several channels (``voxserve bench --connections``).
+What they do not share: the batcher (requests are batched within the replica whose connection they
+arrived on). A connection stays with one replica, so a client spreads over replicas by opening several
+channels (``voxserve bench --connections``).
 
 If a replica exits on its own, the supervisor stops the others and exits non-zero, so the orchestrator
 restarts the whole server; SIGTERM/SIGINT are passed on and each replica drains as a single server does.

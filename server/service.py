@@ -170,7 +170,7 @@ class InferenceService:
     async def ModelStatistics(self, request, context):
         if request.name:
             await self._check_model(request.name, request.version, context)
-        s = self.state.stats.snapshot()
+        s = self.state.stats.combined()  # with --replicas: every replica's figures
         stats = pb.ModelStatistics(
             name=self.model_name, version=self.model_version, last_inference=s.last_inference_ms,
             inference_count=s.inference_count, execution_count=s.execution_count,

@@ -102,8 +102,8 @@ _FLAGS: Sequence[tuple[str, str, Any, str]] = (
      "through without a token, for orchestrator probes"),
     ("--replicas", "replicas", int,
      "server processes sharing the gRPC port, replica i on GPU i of --devices (or of the visible GPUs): one "
-     "process per GPU scales where one process driving several does not; shared-memory regions and metrics "
-     "are shared, ModelStatistics is per replica. 0: one per GPU of --devices (1 without --devices); 1 with "
+     "process per GPU scales where one process driving several does not; shared-memory regions, metrics "
+     "and statistics are shared. 0: one per GPU of --devices (1 without --devices); 1 with "
      "--devices: one process, one runner per GPU"),
 )  # fmt: skip
 

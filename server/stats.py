@@ -1,7 +1,13 @@
-"""Cumulative per-model statistics behind the ModelStatistics RPC (real counts and times)."""
+"""Cumulative per-model statistics behind the ModelStatistics RPC (real counts and times).
+
+With --replicas, each replica publishes its snapshot to the run directory twice a second and answers
+ModelStatistics with its own live figures plus the others' last published ones (``combined``)."""
 
 from __future__ import annotations
 
+import dataclasses
+import json
+import os
 import threading
 import time
 from collections import defaultdict
@@ -39,10 +45,49 @@ class StatsSnapshot:
     batches: dict[int, BatchDurations]
 
 
+def _merge_duration(a: Duration, b: Duration) -> Duration:
+    return Duration(a.count + b.count, a.ns + b.ns)
+
+
+def merge(a: StatsSnapshot, b: StatsSnapshot) -> StatsSnapshot:
+    """The figures of two replicas as one model's."""
+    batches = dict(a.batches)
+    for size, d in b.batches.items():
+        if size in batches:
+            m = batches[size]
+            batches[size] = BatchDurations(_merge_duration(m.compute_input, d.compute_input),
+                                           _merge_duration(m.compute_infer, d.compute_infer),
+                                           _merge_duration(m.compute_output, d.compute_output))
+        else:
+            batches[size] = d
+    return StatsSnapshot(
+        inference_count=a.inference_count + b.inference_count,
+        execution_count=a.execution_count + b.execution_count,
+        last_inference_ms=max(a.last_inference_ms, b.last_inference_ms),
+        **{f: _merge_duration(getattr(a, f), getattr(b, f))
+           for f in ("success", "fail", "queue", "compute_input", "compute_infer", "compute_output")},
+        batches=dict(sorted(batches.items())),
+    )
+
+
+def _from_json(data: dict) -> StatsSnapshot:
+    def d(v: dict) -> Duration:
+        return Duration(int(v["count"]), int(v["ns"]))
+
+    return StatsSnapshot(
+        inference_count=int(data["inference_count"]), execution_count=int(data["execution_count"]),
+        last_inference_ms=int(data["last_inference_ms"]),
+        **{f: d(data[f]) for f in ("success", "fail", "queue", "compute_input", "compute_infer", "compute_output")},
+        batches={int(size): BatchDurations(d(b["compute_input"]), d(b["compute_infer"]), d(b["compute_output"]))
+                 for size, b in data["batches"].items()},
+    )
+
+
 class ModelStats:
     """Thread-safe accumulators: requests are recorded on the event loop, executions on the runner thread."""
 
     def __init__(self) -> None:
+        self._shared: tuple[str, str] | None = None  # (directory, this replica's file name) with --replicas
         self._lock = threading.Lock()
         self._inference_count = 0
         self._execution_count = 0
@@ -97,3 +142,36 @@ class ModelStats:
                     for size, b in sorted(self._batches.items())
                 },
             )
+
+    # --- several replicas -------------------------------------------------------------------------
+
+    def share(self, directory: str, replica: str) -> None:
+        """Publish to and read the other replicas' snapshots from ``directory``."""
+        os.makedirs(directory, exist_ok=True)
+        self._shared = (directory, f"{replica}.json")
+
+    def publish(self) -> None:
+        """Write this replica's snapshot (atomically: readers see the previous or this one, whole)."""
+        if self._shared is None:
+            return
+        directory, name = self._shared
+        tmp = os.path.join(directory, f".{name}.tmp")
+        with open(tmp, "w") as f:
+            json.dump(dataclasses.asdict(self.snapshot()), f)
+        os.replace(tmp, os.path.join(directory, name))
+
+    def combined(self) -> StatsSnapshot:
+        """This replica's live figures plus the other replicas' last published ones."""
+        total = self.snapshot()
+        if self._shared is None:
+            return total
+        directory, own = self._shared
+        for entry in sorted(os.listdir(directory)):
+            if entry == own or not entry.endswith(".json"):
+                continue
+            try:
+                with open(os.path.join(directory, entry)) as f:
+                    total = merge(total, _from_json(json.load(f)))
+            except (OSError, ValueError, KeyError, TypeError):
+                continue  # replaced or removed meanwhile: skip it this once
+        return total
