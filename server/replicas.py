@@ -50,10 +50,15 @@ REPLICA_INDEX_ENV = "VOXSERVE_REPLICA_INDEX"
 def reserve_port(host: str, port: int) -> socket.socket:
     """Bind (not listen) a SO_REUSEPORT socket on host:port: fixes the port when it is 0 and keeps it ours
     while the replicas bind it too (they set SO_REUSEPORT as well; only listening sockets get connections)."""
+    host = host.strip("[]")  # gRPC spells IPv6 addresses in brackets
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-    sock.bind((host, port))
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        sock.bind((host, port))
+    except BaseException:
+        sock.close()
+        raise
     return sock
 
 

@@ -159,3 +159,13 @@ def test_statistics_of_replicas_add_up(tmp_path):
     assert (both.fail.count, both.queue.ns, both.compute_infer.ns) == (1, 300, 24)
     assert sorted(both.batches) == [3, 5] and both.batches[3].compute_output.count == 2
     assert a.snapshot().inference_count == 3  # its own figures stay its own
+
+
+def test_a_replica_that_cannot_start_stops_the_server(tmp_path):
+    weights = tmp_path / "bad.safetensors"
+    weights.write_bytes(b"not safetensors")
+    proc = subprocess.run([sys.executable, "-m", "voxserve", "serve", "--host", "127.0.0.1", "--grpc-port", "0",
+                           "--metrics-port", "-1", "--device", "cpu", "--replicas", "2", "--weights", str(weights)],
+                          cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1
+    assert "stopping the others" in proc.stderr or proc.stderr.count("start-up failed") == 2, proc.stderr[-2000:]
