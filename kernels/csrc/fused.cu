@@ -606,7 +606,6 @@ __global__ void __launch_bounds__(kTcMaxThreads, 2)
 // this kernel where the library was built with it (VOXSERVE_WGMMA) and the GPU is compute capability 9.0.
 // Staging (ring of K+1 raw planes, cp.async) and the block reduction as in fused_tc_kernel.
 constexpr int kWgSteps = 11;         // k-steps of 8 taps (88 slots, 81 used)
-constexpr int kWgChunk = 2;          // k-steps per wgmma group
 constexpr int kWgMaxGroups = 2;      // warpgroups per block
 constexpr int kWgMaxTy = 30;         // rows per block tile
 constexpr int kWgBBytes = 1024;      // B matrix bytes per k-step (8 x 32 float)
@@ -616,6 +615,8 @@ __host__ __device__ inline size_t wg_smem_bytes(int ty) {
 }
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+constexpr int kWgChunk = 2;  // k-steps per wgmma group
+
 // sm_90 matrix descriptor without swizzle: start address, leading (K) and stride (M/N) byte offsets, >> 4.
 __device__ __forceinline__ uint64_t wg_desc(uint32_t addr, uint32_t k_offset, uint32_t n_offset) {
   return static_cast<uint64_t>((addr >> 4) & 0x3FFF) | (static_cast<uint64_t>((k_offset >> 4) & 0x3FFF) << 16) |
