@@ -22,6 +22,8 @@ cases = [
     ((3, 3, 7, 37, 41), 16, 3, torch.float32, "contiguous", 5),
     ((1, 3, 16, 32, 32), 16, 3, torch.float32, "contiguous", 5),
     ((2, 3, 5, 64, 68), 16, 3, torch.float32, "contiguous", 5),
+    ((2, 3, 7, 37, 40), 16, 3, torch.float16, "contiguous", 5),
+    ((1, 3, 16, 32, 32), 16, 3, torch.bfloat16, "contiguous", 5),
     ((2, 3, 16, 32, 32), 16, 3, torch.float32, "contiguous", 4),
     ((3, 3, 7, 37, 41), 16, 3, torch.float32, "contiguous", 4),
     ((1, 3, 5, 9, 17), 16, 3, torch.float16, "contiguous", 0),

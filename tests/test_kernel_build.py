@@ -31,9 +31,9 @@ def test_kernel_builds_for_sm90a_and_hot_kernels_do_not_spill(tmp_path, monkeypa
            or "tc_kernel" in name]
     assert len(hot) >= 4, report[:2000]
     assert all(spills == "0" for _, spills in hot), hot
-    # The warpgroup kernels (one per rows-per-plane count, both precisions) are built, and ptxas kept their
-    # wgmma pipelined (it says C7514 when it serialises them).
-    assert sum("fused_wg_kernel" in name for name, _ in entries) == 16
+    # The warpgroup kernels (one per rows-per-plane count, both precisions, three input types) are built,
+    # and ptxas kept their wgmma pipelined (it says C7514 when it serialises them).
+    assert sum("fused_wg_kernel" in name for name, _ in entries) == 48
     assert "C7514" not in report
     # a second build comes from the cache
     assert main(["kernel", "build", "--arch", "9.0a"]) == 0

@@ -134,6 +134,27 @@ def test_tensor_core_plans_cover_the_output(shape):
     assert cuda_kernels.plan(x.transpose(3, 4))["kernel"] == "tile"  # not W-contiguous
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(128, 3, 16, 32, 32), (1, 3, 16, 32, 32), (3, 3, 7, 37, 40), (2, 3, 5, 64, 72),
+                                   (1, 3, 3, 3, 8)])
+def test_16_bit_inputs_on_the_tensor_cores(rng, shape, dtype):
+    """Float16/bfloat16 rows of whole 16-byte pieces go to the warpgroup kernel (on Hopper; their values are
+    exact in TF32, so x times the split weights keeps float32 accuracy); other 16-bit inputs to the tile kernel."""
+    hopper = torch.cuda.get_device_capability() == (9, 0) and "9.0a" in cuda_kernels.default_archs()
+    w, b = _weights(rng, 16, 3, 3, scale=1.0 / 27**0.5)
+    x = torch.randn(shape, generator=rng).to(DEV, dtype)
+    assert cuda_kernels.plan(x)["kernel"] == ("warpgroup" if hopper else "tile")
+    ref = reference_float64(x, w, b)
+    _poison_allocator()
+    for precision in ("fp32", "tf32"):
+        out = fused_forward(x, w, b, precision)
+        assert relative_error(out, ref) <= (FP32_TOL if precision == "fp32" else ERROR_BOUNDS["tf32"])
+    assert torch.equal(fused_forward(x, w, b), fused_forward(x, w, b))  # deterministic
+    misaligned = torch.randn(x.numel() + 1, generator=rng).to(DEV, dtype)[1:].view(shape)
+    assert cuda_kernels.plan(misaligned)["kernel"] == "tile"
+    assert relative_error(fused_forward(misaligned, w, b), reference_float64(misaligned, w, b)) <= FP32_TOL
+
+
 def test_large_activations_do_not_overflow(rng):
     w, b = _weights(rng, 16, 3, 3, scale=30.0)  # logits in the hundreds: softmax must subtract the max
     x = torch.randn(2, 3, 8, 9, 10, generator=rng).to(DEV)

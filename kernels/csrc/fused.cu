@@ -610,8 +610,37 @@ constexpr int kWgMaxGroups = 2;      // warpgroups per block
 constexpr int kWgMaxTy = 30;         // rows per block tile
 constexpr int kWgBBytes = 1024;      // B matrix bytes per k-step (8 x 32 float)
 
-__host__ __device__ inline size_t wg_smem_bytes(int ty) {
-  return sizeof(float) * tc_layout(ty).ring_floats + kWgBBytes * kWgSteps;
+// The ring holds the input in its own type T (float32, float16 or bfloat16: 16-bit inputs are exact in
+// TF32, so they need neither the split nor the x_lo product).
+__host__ __device__ inline size_t wg_smem_bytes(int ty, size_t elem_bytes) {
+  const size_t ring = elem_bytes * tc_layout(ty).ring_floats;
+  return (ring + 127) / 128 * 128 + kWgBBytes * kWgSteps;
+}
+
+// As tc_copy_plane for any T: 16-byte pieces of 16 / sizeof(T) elements, enough of them to cover the
+// 36 staged columns (float: 9 pieces, 16-bit types: 5 = 40 columns, the row pitch).
+template <typename T>
+__device__ __forceinline__ void wg_copy_plane(const T* __restrict__ xn, const Shape& s, int d, int h0, int w0,
+                                              const TcLayout& l, T* __restrict__ ring, int slot) {
+  constexpr int kPer = 16 / sizeof(T), kPieces = (36 + kPer - 1) / kPer;
+  const int tid = threadIdx.x, rows_at_once = blockDim.x / kPieces;
+  if (tid < rows_at_once * kPieces) {
+    const T* plane = xn + (long long)d * s.sd;
+    T* dst_slot = ring + slot * l.ss;
+    const int q = tid % kPieces;
+    int ci = 0, r = tid / kPieces;
+    while (r >= l.in_h) { r -= l.in_h; ++ci; }
+    while (ci < 3) {
+      const int gh = h0 + r, gw = w0 + kPer * q;
+      const bool inside = gh < s.h && gw < s.w;
+      const T* src = inside ? plane + ci * s.sc + (long long)gh * s.sh + gw : xn;
+      const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(dst_slot + ci * l.cs + r * kTcPitch + kPer * q));
+      asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(inside ? 16 : 0));
+      r += rows_at_once;
+      while (r >= l.in_h) { r -= l.in_h; ++ci; }
+    }
+  }
+  asm volatile("cp.async.commit_group;\n" ::);
 }
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -663,9 +692,9 @@ __device__ __forceinline__ void pin(float (&r)[N]) {
 
 // The activation + softmax of a finished tile (acc: x_hi [W_hi | W_lo], acc_lo: x_lo W_hi) added to psum.
 // Voxel v of this lane is column col + 8v of output row oh; its channel 8j + 2 tig + e is in
-// acc[4j + 2v + e] (+ acc[8 + 4j + 2v + e] + acc_lo[4j + 2v + e] with TERMS = 3, acc_lo alone with
-// TERMS = 1); the voxel's other 12 channels are in the lanes of the same gid.
-template <int TERMS>
+// acc[4j + 2v + e] (+ acc[8 + 4j + 2v + e], + acc_lo[4j + 2v + e] with LO, with TERMS = 3; acc_lo alone
+// with TERMS = 1); the voxel's other 12 channels are in the lanes of the same gid.
+template <int TERMS, bool LO>
 __device__ __forceinline__ void wg_epilogue(const float (&acc)[16], const float (&acc_lo)[8], const float (&bias)[4],
                                             bool row_ok, int col_left, float (&psum)[4]) {
   float act[2][4];
@@ -675,7 +704,7 @@ __device__ __forceinline__ void wg_epilogue(const float (&acc)[16], const float 
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
       const int ix = 4 * (j >> 1) + 2 * v + (j & 1);
-      const float logit = TERMS == 3 ? acc[ix] + acc[8 + ix] + acc_lo[ix] : acc_lo[ix];
+      const float logit = TERMS == 3 ? acc[ix] + acc[8 + ix] + (LO ? acc_lo[ix] : 0.0f) : acc_lo[ix];
       act[v][j] = activation(logit + bias[j]);
       amax = fmaxf(amax, act[v][j]);
     }
@@ -714,27 +743,30 @@ __device__ __forceinline__ void wg_epilogue(const float (&acc)[16], const float 
   }
 }
 
-template <int TERMS, int ROUNDS>
+template <int TERMS, int ROUNDS, typename T>
 __global__ void __launch_bounds__(128 * kWgMaxGroups, 2)
-    fused_wg_kernel(const float* __restrict__ x, const Shape s, const __grid_constant__ ConvWeights<3, 16, 3> p,
+    fused_wg_kernel(const T* __restrict__ x, const Shape s, const __grid_constant__ ConvWeights<3, 16, 3> p,
                     const float* __restrict__ w_dev, float* __restrict__ partials, int tiles_w, int tiles_hw,
                     int planes, int chunks, int ty) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   constexpr int kTaps = 81;
   constexpr int kChunks = (kWgSteps + kWgChunk - 1) / kWgChunk;
-  extern __shared__ __align__(128) float wg_smem[];
+  // x_lo x W_hi, the third 3xTF32 product: float32 input only (16-bit inputs are exact in TF32).
+  constexpr bool kLo = TERMS == 3 && std::is_same<T, float>::value;
+  extern __shared__ __align__(128) unsigned char wg_smem[];
   const TcLayout l = tc_layout(ty);
-  float* ring = wg_smem;
-  float* bmat = wg_smem + l.ring_floats;  // [k-step][K half][channel group][8 channels][4 K] floats
+  T* ring = reinterpret_cast<T*>(wg_smem);
+  // [k-step][K half][channel group][8 channels][4 K] floats, after the ring (128-byte aligned)
+  float* bmat = reinterpret_cast<float*>(wg_smem + (sizeof(T) * l.ring_floats + 127) / 128 * 128);
   const int tile = blockIdx.x, chunk = blockIdx.y, n = blockIdx.z;
   const int h0 = (tile / tiles_w) * ty, w0 = (tile % tiles_w) * kTcTileW;
   const int d_begin = chunk * planes, d_end = min(d_begin + planes, s.od);
-  const float* xn = x + n * s.sn;
+  const T* xn = x + n * s.sn;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int group = warp >> 2, ngroups = blockDim.x >> 7, wq = warp & 3;
   const int gid = lane >> 2, tig = lane & 3;
 
-  for (int kd = 0; kd < 3; ++kd) tc_copy_plane(xn, s, d_begin + kd, h0, w0, l, ring, (d_begin + kd) & 3);
+  for (int kd = 0; kd < 3; ++kd) wg_copy_plane(xn, s, d_begin + kd, h0, w0, l, ring, (d_begin + kd) & 3);
 
   // B, split into hi / lo, once per block while the first planes land (from the weights in global memory:
   // the by-value copy in the constant bank serialises loads whose addresses differ across a warp). K slot
@@ -780,7 +812,7 @@ __global__ void __launch_bounds__(128 * kWgMaxGroups, 2)
   float acc0[16], lo0[8], acc1[16], lo1[8];
   for (int od = d_begin; od < d_end; ++od) {
     const bool more = od + 1 < d_end;
-    if (more) tc_copy_plane(xn, s, od + 3, h0, w0, l, ring, (od + 3) & 3);
+    if (more) wg_copy_plane(xn, s, od + 3, h0, w0, l, ring, (od + 3) & 3);
     int off[7];  // row p of this lane: r = 4p + tig = (ci, kd, kh); the missing row 27 reads row tig
 #pragma unroll
     for (int pi = 0; pi < 7; ++pi) {
@@ -791,7 +823,7 @@ __global__ void __launch_bounds__(128 * kWgMaxGroups, 2)
     // Issue row pair y into (ca, cl); with `previous`, finish the previous pair (pa, pl) after the first chunk.
     auto issue = [&](int y, float (&ca)[16], float (&cl)[8], bool previous, float (&pa)[16], float (&pl)[8],
                      bool previous_row_ok) {
-      const float* base = ring + (y + (wq >> 1)) * kTcPitch;
+      const T* base = ring + (y + (wq >> 1)) * kTcPitch;
 #pragma unroll
       for (int c = 0; c < kChunks; ++c) {
         asm volatile("" ::: "memory");  // keep this chunk's loads here (hoisted, they cost registers and spill)
@@ -803,11 +835,13 @@ __global__ void __launch_bounds__(128 * kWgMaxGroups, 2)
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
               const int i = 2 * st + h < 21 ? 2 * st + h : 0;
-              const float* src = base + off[i / 3] + i % 3;
+              const T* src = base + off[i / 3] + i % 3;
 #pragma unroll
               for (int v = 0; v < 2; ++v) {
-                const float xv = src[8 * v];
-                if (TERMS == 3) {  // hi = x truncated to TF32, lo = x - hi exactly (TF32 by the MMA's truncation)
+                const float xv = to_f32(src[8 * v]);
+                if (!std::is_same<T, float>::value) {  // a 16-bit value is a TF32 value as it is
+                  ah[q][2 * h + v] = __float_as_uint(xv);
+                } else if (TERMS == 3) {  // hi = x truncated to TF32, lo = x - hi exactly (TF32 by the MMA's truncation)
                   ah[q][2 * h + v] = __float_as_uint(xv) & 0xffffe000u;
                   al[q][2 * h + v] = __float_as_uint(xv - __uint_as_float(ah[q][2 * h + v]));
                 } else {  // x rounded to TF32 (half away from zero; cvt.rna would add an Inf/NaN check)
@@ -826,10 +860,10 @@ __global__ void __launch_bounds__(128 * kWgMaxGroups, 2)
             if (TERMS == 3) {
               if (st == 0) {
                 wgmma_n32<0>(ca, ah[q], b);
-                wgmma_n16<0>(cl, al[q], b);
+                if (kLo) wgmma_n16<0>(cl, al[q], b);
               } else {
                 wgmma_n32<1>(ca, ah[q], b);
-                wgmma_n16<1>(cl, al[q], b);
+                if (kLo) wgmma_n16<1>(cl, al[q], b);
               }
             } else if (st == 0) {
               wgmma_n16<0>(cl, ah[q], b);
@@ -843,7 +877,7 @@ __global__ void __launch_bounds__(128 * kWgMaxGroups, 2)
         if (c == 0 && previous) {
           pin(pa);
           pin(pl);
-          wg_epilogue<TERMS>(pa, pl, bias, previous_row_ok, col_left, psum);
+          wg_epilogue<TERMS, kLo>(pa, pl, bias, previous_row_ok, col_left, psum);
         }
       }
     };
@@ -864,11 +898,11 @@ __global__ void __launch_bounds__(128 * kWgMaxGroups, 2)
     if (ROUNDS % 2 == 1) {
       pin(acc0);
       pin(lo0);
-      wg_epilogue<TERMS>(acc0, lo0, bias, last_ok, col_left, psum);
+      wg_epilogue<TERMS, kLo>(acc0, lo0, bias, last_ok, col_left, psum);
     } else {
       pin(acc1);
       pin(lo1);
-      wg_epilogue<TERMS>(acc1, lo1, bias, last_ok, col_left, psum);
+      wg_epilogue<TERMS, kLo>(acc1, lo1, bias, last_ok, col_left, psum);
     }
     if (more) asm volatile("cp.async.wait_group 0;\n" ::);
     __syncthreads();
@@ -993,6 +1027,7 @@ struct Plan {
   int threads_x;             // specialised kernels: blockDim.x (kRefTX column groups x channel split;
                              // tensor-core kernels: 32 x warps)
   int terms;                 // tensor-core kernels: 3 (3xTF32, float32 accuracy) or 1 (TF32)
+  int dtype;                 // the input's DType
   int tiles_w, tiles_h, ty;  // specialised kernels
   int planes, chunks;        // window kernel: output planes per block, blocks along D
   int blocks;                // per sample
@@ -1132,30 +1167,43 @@ bool wgmma_available() {
 #endif
 }
 
-// The warpgroup kernel for (terms, rounds): one instantiation per row-pair count of a warpgroup per plane.
-using WgKernel = void (*)(const float*, Shape, ConvWeights<3, 16, 3>, const float*, float*, int, int, int, int, int);
+// The warpgroup kernel for (input type, terms, rounds): one instantiation per row-pair count of a
+// warpgroup per plane.
+template <typename T>
+using WgKernel = void (*)(const T*, Shape, ConvWeights<3, 16, 3>, const float*, float*, int, int, int, int, int);
 constexpr int kWgMaxRounds = 8;
 
-template <int TERMS, int... R>
-WgKernel wg_kernel_of(int rounds, std::integer_sequence<int, R...>) {
-  static const WgKernel table[] = {fused_wg_kernel<TERMS, R + 1>...};
+template <typename T, int TERMS, int... R>
+WgKernel<T> wg_kernel_of(int rounds, std::integer_sequence<int, R...>) {
+  static const WgKernel<T> table[] = {fused_wg_kernel<TERMS, R + 1, T>...};
   return table[rounds - 1];
 }
 
-WgKernel wg_kernel(int terms, int rounds) {
+template <typename T>
+WgKernel<T> wg_kernel(int terms, int rounds) {
   const auto seq = std::make_integer_sequence<int, kWgMaxRounds>{};
-  return terms == 1 ? wg_kernel_of<1>(rounds, seq) : wg_kernel_of<3>(rounds, seq);
+  return terms == 1 ? wg_kernel_of<T, 1>(rounds, seq) : wg_kernel_of<T, 3>(rounds, seq);
 }
 
+const void* wg_kernel_ptr(int dtype, int terms, int rounds) {
+  switch (dtype) {
+    case kF16: return reinterpret_cast<const void*>(wg_kernel<__half>(terms, rounds));
+    case kBF16: return reinterpret_cast<const void*>(wg_kernel<__nv_bfloat16>(terms, rounds));
+    default: return reinterpret_cast<const void*>(wg_kernel<float>(terms, rounds));
+  }
+}
+
+size_t elem_bytes(int dtype) { return dtype == kF32 ? 4 : 2; }
+
 // Raise the warpgroup kernel's dynamic shared-memory limit (per instantiation and device) to `bytes`.
-int wg_allow_smem(int terms, int rounds, size_t bytes) {
-  static size_t configured[kMaxDevices][2][kWgMaxRounds + 1] = {};
+int wg_allow_smem(int dtype, int terms, int rounds, size_t bytes) {
+  static size_t configured[kMaxDevices][3][2][kWgMaxRounds + 1] = {};
   int device = 0;
   cudaGetDevice(&device);
   if (device < 0 || device >= kMaxDevices) return fail("device index out of range%s", "");
-  size_t& slot = configured[device][terms == 1 ? 0 : 1][rounds];
+  size_t& slot = configured[device][dtype][terms == 1 ? 0 : 1][rounds];
   if (bytes > slot) {
-    const cudaError_t err = cudaFuncSetAttribute(reinterpret_cast<const void*>(wg_kernel(terms, rounds)),
+    const cudaError_t err = cudaFuncSetAttribute(wg_kernel_ptr(dtype, terms, rounds),
                                                  cudaFuncAttributeMaxDynamicSharedMemorySize, (int)bytes);
     if (err != cudaSuccess) return fail("raising the shared-memory limit failed: %s", cudaGetErrorString(err));
     slot = bytes;
@@ -1164,16 +1212,16 @@ int wg_allow_smem(int terms, int rounds, size_t bytes) {
 }
 
 // Blocks of the warpgroup kernel resident per SM (cached per device).
-int wg_blocks_per_sm(int terms, int rounds, int device, int groups) {
-  static int cache[kMaxDevices][2][kWgMaxRounds + 1][kWgMaxGroups + 1];
+int wg_blocks_per_sm(int dtype, int terms, int rounds, int device, int groups) {
+  static int cache[kMaxDevices][3][2][kWgMaxRounds + 1][kWgMaxGroups + 1];
   if (device < 0 || device >= kMaxDevices) return 1;
-  int& slot = cache[device][terms == 1 ? 0 : 1][rounds][groups];
+  int& slot = cache[device][dtype][terms == 1 ? 0 : 1][rounds][groups];
   if (slot == 0) {
-    const size_t smem = wg_smem_bytes(2 * groups * rounds);
+    const size_t smem = wg_smem_bytes(2 * groups * rounds, elem_bytes(dtype));
     int blocks = 1;
-    if (wg_allow_smem(terms, rounds, smem) != 0 ||
-        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, reinterpret_cast<const void*>(wg_kernel(terms, rounds)),
-                                                      128 * groups, smem) != cudaSuccess ||
+    if (wg_allow_smem(dtype, terms, rounds, smem) != 0 ||
+        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, wg_kernel_ptr(dtype, terms, rounds), 128 * groups,
+                                                      smem) != cudaSuccess ||
         blocks < 1) {
       cudaGetLastError();
       blocks = 1;
@@ -1200,7 +1248,7 @@ void plan_wgmma(const Shape& s, Plan& p) {
       const int ty = 2 * groups * rounds;
       if (ty > kWgMaxTy || ty - 2 * groups >= s.oh + 1) continue;  // no warpgroup round entirely outside
       const int tiles_h = (s.oh + ty - 1) / ty;
-      const int per_sm = wg_blocks_per_sm(p.terms, rounds, device, groups);
+      const int per_sm = wg_blocks_per_sm(p.dtype, p.terms, rounds, device, groups);
       const long long resident = (long long)per_sm * sms;
       for (int chunks = 1; chunks <= s.od; ++chunks) {
         const int planes = (s.od + chunks - 1) / chunks;
@@ -1241,29 +1289,35 @@ void plan_wgmma(const Shape& s, Plan& p) {
 // smallest calls) the tensor-core kernel; else tile); 1 forces tile, 2 window, 3 the tensor-core kernel, 4 the window kernel with Cout
 // split over 2 lanes, 5 the warpgroup kernel (3 where unavailable); 2-5 take contiguous float32 only.
 // precision: 0 float32, 1 lets the tensor-core kernels use plain TF32.
-Plan make_plan(const Shape& s, int variant, int precision, bool window_ok) {
+Plan make_plan(const Shape& s, int variant, int precision, int dtype, bool window_ok, bool wg_ok) {
   Plan p{};
+  p.dtype = dtype;
+  bool planned = false;
   if (!(s.cin == kRefCin && s.cout == kRefCout && s.k == kRefK)) {
     p.kernel = kGeneral;
     const long long voxels = (long long)s.od * s.oh * s.ow;
     p.blocks = static_cast<int>((voxels + kMaxThreads - 1) / kMaxThreads);
-  } else if (window_ok && (variant == 0 || variant == 3 || variant == 5)) {
+    planned = true;
+  } else if (variant == 0 || variant == 3 || variant == 5) {
     p.terms = precision == 1 ? 1 : 3;
-    // Below ~16 K output voxels (batch 1 at the reference size) a call is latency-bound and the mma.sync
-    // kernel's shorter block start wins: H100 graph replay at batch 1 13.5 us vs 14.4 us; from batch 2
-    // (25 K voxels) on the warpgroup kernel is as fast or faster (16.6 vs 16.9 us, batch 8 17.2 vs 21.4).
-    const bool small = (long long)s.n * s.od * s.oh * s.ow <= 16384;
-    if (variant == 5 || (variant == 0 && !small)) {
-      if (wgmma_available()) {
-        p.kernel = kWgmma;
-        plan_wgmma(s, p);
-      }
-    }
-    if (p.kernel != kWgmma) {
+    // Below ~16 K output voxels (batch 1 at the reference size) a float32 call is latency-bound and the
+    // mma.sync kernel's shorter block start wins: H100 graph replay at batch 1 13.5 us vs 14.4 us; from
+    // batch 2 (25 K voxels) on the warpgroup kernel is as fast or faster (16.6 vs 16.9 us, batch 8 17.2
+    // vs 21.4). 16-bit inputs have no mma.sync kernel: the warpgroup kernel takes them at every size.
+    const bool small = dtype == kF32 && (long long)s.n * s.od * s.oh * s.ow <= 16384;
+    if (wg_ok && (variant == 5 || (variant == 0 && !small)) && wgmma_available()) {
+      p.kernel = kWgmma;
+      plan_wgmma(s, p);
+      planned = true;
+    } else if (window_ok) {
       p.kernel = kTensor;
       plan_tensor(s, p);
+      planned = true;
+    } else {
+      p.terms = 0;
     }
-  } else {
+  }
+  if (!planned) {
     if (variant == 1 || !window_ok) {
       p.kernel = kTile;
     } else {
@@ -1370,14 +1424,15 @@ int launch_tensor(const void* x, const Shape& s, const Plan& plan, const float* 
   return check_launch("fused_tc_kernel");
 }
 
+template <typename T>
 int launch_wgmma(const void* x, const Shape& s, const Plan& plan, const float* w_dev, const float* w_host,
                  const float* b_host, float* partials, cudaStream_t stream) {
   const int rounds = plan.ty / (2 * (plan.threads_x / 128));
-  const size_t smem = wg_smem_bytes(plan.ty);
-  if (wg_allow_smem(plan.terms, rounds, smem) != 0) return 1;
+  const size_t smem = wg_smem_bytes(plan.ty, sizeof(T));
+  if (wg_allow_smem(plan.dtype, plan.terms, rounds, smem) != 0) return 1;
   const dim3 grid(plan.tiles_w * plan.tiles_h, plan.chunks, s.n), block(plan.threads_x);
-  wg_kernel(plan.terms, rounds)<<<grid, block, smem, stream>>>(
-      static_cast<const float*>(x), s, ref_weights(w_host, b_host), w_dev, partials, plan.tiles_w,
+  wg_kernel<T>(plan.terms, rounds)<<<grid, block, smem, stream>>>(
+      static_cast<const T*>(x), s, ref_weights(w_host, b_host), w_dev, partials, plan.tiles_w,
       plan.tiles_w * plan.tiles_h, plan.planes, plan.chunks, plan.ty);
   return check_launch("fused_wg_kernel");
 }
@@ -1393,7 +1448,7 @@ int dispatch(const void* x, const Shape& s, const Plan& plan, const float* w_dev
       return plan.terms == 1 ? launch_tensor<1>(x, s, plan, w_host, b_host, partials, stream)
                              : launch_tensor<3>(x, s, plan, w_host, b_host, partials, stream);
     case kWgmma:
-      return launch_wgmma(x, s, plan, w_dev, w_host, b_host, partials, stream);
+      return launch_wgmma<T>(x, s, plan, w_dev, w_host, b_host, partials, stream);
     default: return launch_tile<T>(x, s, plan, w_host, b_host, partials, stream);
   }
 }
@@ -1415,6 +1470,13 @@ bool window_ok(const void* x, int dtype, const Shape& s) {
          s.sn % 4 == 0 && (reinterpret_cast<uintptr_t>(x) % 16) == 0;
 }
 
+// The warpgroup kernel copies 16-byte pieces of W-contiguous rows of any of the three types.
+bool wg_input_ok(const void* x, int dtype, const Shape& s) {
+  if (dtype == kF32) return window_ok(x, dtype, s);
+  return (dtype == kF16 || dtype == kBF16) && s.sw == 1 && s.w % 8 == 0 && s.sh % 8 == 0 && s.sd % 8 == 0 &&
+         s.sc % 8 == 0 && s.sn % 8 == 0 && (reinterpret_cast<uintptr_t>(x) % 16) == 0;
+}
+
 }  // namespace
 
 extern "C" {
@@ -1432,7 +1494,7 @@ long long voxserve_workspace_floats(const long long* sizes, int cout, int k) {
   const long long strides[5] = {0, 0, 0, 0, 0};
   Shape s;
   if (!fill_shape(sizes, strides, cout, k, &s)) return -1;
-  const long long tile = make_plan(s, 1, 0, false).partial_floats;
+  const long long tile = make_plan(s, 1, 0, kF32, false, false).partial_floats;
   const long long tensor = (long long)s.n * ((s.ow + kTcTileW - 1) / kTcTileW) * ((s.oh + 1) / 2) * s.od * s.cout;
   return tile > tensor ? tile : tensor;
 }
@@ -1445,7 +1507,7 @@ int voxserve_plan(const void* x, int dtype, const long long* sizes, const long l
                   int variant, int precision, int device, int* out) {
   Shape s;
   if (cudaSetDevice(device) != cudaSuccess || !fill_shape(sizes, strides, cout, k, &s)) return 1;
-  const Plan p = make_plan(s, variant, precision, window_ok(x, dtype, s));
+  const Plan p = make_plan(s, variant, precision, dtype, window_ok(x, dtype, s), wg_input_ok(x, dtype, s));
   const int fields[8] = {p.kernel, p.threads_x, p.ty, p.tiles_h, p.tiles_w, p.chunks, p.blocks, p.terms};
   for (int i = 0; i < 8; ++i) out[i] = fields[i];
   return 0;
@@ -1469,7 +1531,7 @@ int voxserve_forward(const void* x, int dtype, const long long* sizes, const lon
   if (cout > kGeneralMaxCout && !voxserve_is_specialised(s.cin, cout, k)) {
     return fail("Cout above 64 is not supported by the fused kernel%s", "");
   }
-  const Plan plan = make_plan(s, variant, precision, window_ok(x, dtype, s));
+  const Plan plan = make_plan(s, variant, precision, dtype, window_ok(x, dtype, s), wg_input_ok(x, dtype, s));
   if (plan.kernel != kGeneral && (w_host == nullptr || b_host == nullptr)) {
     return fail("the specialised kernels need host copies of the weights%s", "");
   }
