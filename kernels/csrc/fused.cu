@@ -5,11 +5,17 @@
 // Plain CUDA with a C launcher (no torch headers): Python loads the shared
 // library with ctypes and launches on PyTorch's current stream.
 //
-// Two kernels compute per-block partial sums of the softmax probabilities; the
-// conv output never leaves registers. A tiny second kernel adds the partials of
-// each sample in a fixed order (in double) and divides by the voxel count, so
-// the same input gives the same bits on every run.
+// One kernel (chosen by make_plan) computes per-block partial sums of the softmax
+// probabilities; the conv output never leaves registers. A tiny second kernel adds
+// the partials of each sample in a fixed order (in double) and divides by the
+// voxel count, so the same input gives the same bits on every run.
 //
+// - fused_wg_kernel (sm_90a) and fused_tc_kernel: the reference configuration on
+//   the tensor cores (implicit GEMM, 3xTF32; described where they are defined):
+//   the defaults for contiguous input on Hopper, and for contiguous float32
+//   elsewhere.
+// - fused_window_kernel: the reference configuration on the CUDA cores, sliding
+//   along D (contiguous float32; kept for comparison).
 // - fused_tile_kernel: compile-time (Cin, Cout, k), the reference (3, 16, 3).
 //   A block owns a TY x (TX*V) tile of one output depth plane; the input halo
 //   (Cin x k planes x (TY+k-1) rows x (TX*V+k-1) columns) is staged in shared
