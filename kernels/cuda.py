@@ -31,7 +31,8 @@ log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).resolve().parent / "csrc" / "fused.cu"
 LIBRARY_NAME = "libvoxserve_fused.so"
-NVCC_FLAGS = ("-O3", "-std=c++17", "-shared", "-Xcompiler", "-fPIC", "-lineinfo")
+# -split-compile=0: the back end optimises the many kernel instantiations in parallel, one job per CPU.
+NVCC_FLAGS = ("-O3", "-std=c++17", "-shared", "-Xcompiler", "-fPIC", "-lineinfo", "-split-compile=0")
 DEFAULT_ARCHS = ("9.0a",)  # H100 / H200, with Hopper's arch-specific instructions (wgmma)
 GENERAL_MAX_COUT = 64
 # Kernel choice for the reference configuration (make_plan in csrc/fused.cu): 0 chooses, 1 forces the
