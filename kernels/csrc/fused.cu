@@ -368,7 +368,6 @@ __global__ void __launch_bounds__(kMaxThreads, CSPLIT == 1 ? 2 : 3)
 // Epilogue: a voxel's 16 channels lie in the 8 lanes of one tig (2 per lane); softmax by shuffles.
 constexpr int kTcPitch = 40;   // floats per staged row (34 used: 32 columns + K-1 halo, read as 2 x float4)
 constexpr int kTcTileW = 32;   // output columns per block
-constexpr int kTcChunks = 9;   // float4 chunks staged per row (columns 0..35)
 constexpr int kTcRows = 27;    // input rows (ci, kd, kh) of the reference configuration
 constexpr int kTcSteps = 21;   // k-steps of 4 slots: 7 rows x 3 kw per tig
 constexpr int kTcMaxWarps = 6;
@@ -402,23 +401,26 @@ __device__ __forceinline__ void mma_tf32_k4(float (&d)[4], uint32_t a0, uint32_t
 }
 
 // Issue the cp.async copies of input plane d (3 channels, rows h0.., columns w0..w0+35) into ring slot
-// `slot`, as one commit group (zero-filled outside the input). Chunk (ci, r, q) = channel, staged row,
-// float4: with R = blockDim.x / 9, thread tid < 9R copies chunk q = tid % 9 of rows tid / 9, +R, +2R, ...
-// (all 3 channels' rows in turn).
-__device__ __forceinline__ void tc_copy_plane(const float* __restrict__ xn, const Shape& s, int d, int h0, int w0,
-                                              const TcLayout& l, float* __restrict__ ring, int slot) {
-  const int tid = threadIdx.x, rows_at_once = blockDim.x / kTcChunks;
-  if (tid < rows_at_once * kTcChunks) {
-    const float* plane = xn + (long long)d * s.sd;
-    float* dst_slot = ring + slot * l.ss;
-    const int q = tid % kTcChunks;
-    int ci = 0, r = tid / kTcChunks;
+// `slot`, as one commit group (zero-filled outside the input), in 16-byte pieces of 16 / sizeof(T) elements:
+// float 9 pieces per row, 16-bit types 5 (40 columns, the row pitch). Piece (ci, r, q) = channel, staged
+// row, piece: with R = blockDim.x / pieces, thread tid < pieces x R copies piece q = tid % pieces of rows
+// tid / pieces, +R, +2R, ... (all 3 channels' rows in turn).
+template <typename T>
+__device__ __forceinline__ void tc_copy_plane(const T* __restrict__ xn, const Shape& s, int d, int h0, int w0,
+                                              const TcLayout& l, T* __restrict__ ring, int slot) {
+  constexpr int kPer = 16 / sizeof(T), kPieces = (36 + kPer - 1) / kPer;
+  const int tid = threadIdx.x, rows_at_once = blockDim.x / kPieces;
+  if (tid < rows_at_once * kPieces) {
+    const T* plane = xn + (long long)d * s.sd;
+    T* dst_slot = ring + slot * l.ss;
+    const int q = tid % kPieces;
+    int ci = 0, r = tid / kPieces;
     while (r >= l.in_h) { r -= l.in_h; ++ci; }
     while (ci < 3) {
-      const int gh = h0 + r, gw = w0 + 4 * q;
+      const int gh = h0 + r, gw = w0 + kPer * q;
       const bool inside = gh < s.h && gw < s.w;
-      const float* src = inside ? plane + ci * s.sc + (long long)gh * s.sh + gw : xn;
-      const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(dst_slot + ci * l.cs + r * kTcPitch + 4 * q));
+      const T* src = inside ? plane + ci * s.sc + (long long)gh * s.sh + gw : xn;
+      const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(dst_slot + ci * l.cs + r * kTcPitch + kPer * q));
       asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(inside ? 16 : 0));
       r += rows_at_once;
       while (r >= l.in_h) { r -= l.in_h; ++ci; }
@@ -623,31 +625,6 @@ __host__ __device__ inline size_t wg_smem_bytes(int ty, size_t elem_bytes) {
   return (ring + 127) / 128 * 128 + kWgBBytes * kWgSteps;
 }
 
-// As tc_copy_plane for any T: 16-byte pieces of 16 / sizeof(T) elements, enough of them to cover the
-// 36 staged columns (float: 9 pieces, 16-bit types: 5 = 40 columns, the row pitch).
-template <typename T>
-__device__ __forceinline__ void wg_copy_plane(const T* __restrict__ xn, const Shape& s, int d, int h0, int w0,
-                                              const TcLayout& l, T* __restrict__ ring, int slot) {
-  constexpr int kPer = 16 / sizeof(T), kPieces = (36 + kPer - 1) / kPer;
-  const int tid = threadIdx.x, rows_at_once = blockDim.x / kPieces;
-  if (tid < rows_at_once * kPieces) {
-    const T* plane = xn + (long long)d * s.sd;
-    T* dst_slot = ring + slot * l.ss;
-    const int q = tid % kPieces;
-    int ci = 0, r = tid / kPieces;
-    while (r >= l.in_h) { r -= l.in_h; ++ci; }
-    while (ci < 3) {
-      const int gh = h0 + r, gw = w0 + kPer * q;
-      const bool inside = gh < s.h && gw < s.w;
-      const T* src = inside ? plane + ci * s.sc + (long long)gh * s.sh + gw : xn;
-      const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(dst_slot + ci * l.cs + r * kTcPitch + kPer * q));
-      asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(inside ? 16 : 0));
-      r += rows_at_once;
-      while (r >= l.in_h) { r -= l.in_h; ++ci; }
-    }
-  }
-  asm volatile("cp.async.commit_group;\n" ::);
-}
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 constexpr int kWgChunk = 2;  // k-steps per wgmma group
@@ -772,7 +749,7 @@ __global__ void __launch_bounds__(128 * kWgMaxGroups, 2)
   const int group = warp >> 2, ngroups = blockDim.x >> 7, wq = warp & 3;
   const int gid = lane >> 2, tig = lane & 3;
 
-  for (int kd = 0; kd < 3; ++kd) wg_copy_plane(xn, s, d_begin + kd, h0, w0, l, ring, (d_begin + kd) & 3);
+  for (int kd = 0; kd < 3; ++kd) tc_copy_plane(xn, s, d_begin + kd, h0, w0, l, ring, (d_begin + kd) & 3);
 
   // B, split into hi / lo, once per block while the first planes land (from the weights in global memory:
   // the by-value copy in the constant bank serialises loads whose addresses differ across a warp). K slot
@@ -818,7 +795,7 @@ __global__ void __launch_bounds__(128 * kWgMaxGroups, 2)
   float acc0[16], lo0[8], acc1[16], lo1[8];
   for (int od = d_begin; od < d_end; ++od) {
     const bool more = od + 1 < d_end;
-    if (more) wg_copy_plane(xn, s, od + 3, h0, w0, l, ring, (od + 3) & 3);
+    if (more) tc_copy_plane(xn, s, od + 3, h0, w0, l, ring, (od + 3) & 3);
     int off[7];  // row p of this lane: r = 4p + tig = (ci, kd, kh); the missing row 27 reads row tig
 #pragma unroll
     for (int pi = 0; pi < 7; ++pi) {
