@@ -16,6 +16,7 @@ import itertools
 import json
 import multiprocessing
 import os
+import queue
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -76,7 +77,7 @@ async def run_level(url: str, payload: bytes, samples: int, tensor_bytes: int, c
                     duration_s: float | None,
                     requests: int | None, model: str, target: str, timeout_s: float = 120.0,
                     progress: bool = False, credentials: Credentials = PLAINTEXT,
-                    connections: int = 1) -> LevelResult:
+                    connections: int = 1, statistics: bool = True) -> LevelResult:
     """Drive one concurrency level; exactly one of duration_s / requests bounds it. The workers share
     ``connections`` connections round-robin (a server of several replicas serves each on one replica)."""
     metadata = credentials.metadata()
@@ -87,7 +88,7 @@ async def run_level(url: str, payload: bytes, samples: int, tensor_bytes: int, c
         channel = channels[0]
         # bytes in, bytes out: no client-side (de)serialisation
         calls = [ch.unary_unary(INFER_METHOD) for ch in channels]
-        before = await _stats(channel, model, metadata) if target == "voxserve" else None
+        before = await _stats(channel, model, metadata) if statistics and target == "voxserve" else None
         result = LevelResult(target, concurrency, 0, 0, 0.0, samples, tensor_bytes)
         issued = 0
         started = time.perf_counter()
@@ -124,15 +125,95 @@ async def run_level(url: str, payload: bytes, samples: int, tensor_bytes: int, c
         if reporter is not None:
             reporter.cancel()
             print(file=sys.stderr)
-        after = await _stats(channel, model, metadata) if target == "voxserve" else None
-        if before is not None and after is not None:
-            s0, s1 = before.inference_stats, after.inference_stats
-            if s1.queue.count > s0.queue.count:
-                result.server_queue_ms = (s1.queue.ns - s0.queue.ns) / (s1.queue.count - s0.queue.count) / 1e6
-            if s1.compute_infer.count > s0.compute_infer.count:
-                result.server_compute_ms = ((s1.compute_infer.ns - s0.compute_infer.ns)
-                                            / (s1.compute_infer.count - s0.compute_infer.count) / 1e6)
+        after = await _stats(channel, model, metadata) if statistics and target == "voxserve" else None
+        _server_split(result, before, after)
         return result
+
+
+def _level_process(results, url: str, payload: bytes, samples: int, tensor_bytes: int, concurrency: int,
+                   duration_s: float | None, requests: int | None, model: str, target: str, timeout_s: float,
+                   credentials: Credentials, connections: int, start_at: float) -> None:
+    """One of --processes: wait for the common start, drive its share of the level, send back the result."""
+    try:
+        time.sleep(max(0.0, start_at - time.time()))
+        r = asyncio.run(run_level(url, payload, samples, tensor_bytes, concurrency, duration_s=duration_s,
+                                  requests=requests, model=model, target=target, timeout_s=timeout_s,
+                                  credentials=credentials, connections=connections, statistics=False))
+        results.put((r.requests, r.errors, r.seconds, r.latencies_ms))
+    except BaseException as exc:  # the parent must not wait for a result that will never come
+        results.put(exc)
+        raise
+
+
+def run_level_processes(url: str, payload: bytes, samples: int, tensor_bytes: int, concurrency: int, *,
+                        processes: int, duration_s: float | None, requests: int | None, model: str, target: str,
+                        timeout_s: float = 120.0, progress: bool = False, credentials: Credentials = PLAINTEXT,
+                        connections: int = 1) -> LevelResult:
+    """``run_level`` spread over ``processes`` load processes (each its own event loop and connections), for
+    servers that one Python client process cannot saturate; the workers, connections and requests are split
+    as evenly as they go and the latencies merged."""
+    processes = max(1, min(processes, concurrency))
+    ctx = multiprocessing.get_context("spawn")
+    results = ctx.Queue()
+    start_at = time.time() + 1.0 + 0.5 * processes  # after every child has imported grpc and connected
+    children = []
+    for i in range(processes):
+        share = concurrency // processes + (i < concurrency % processes)
+        conns = max(1, connections // processes + (i < connections % processes))
+        reqs = None if requests is None else requests // processes + (i < requests % processes)
+        children.append(ctx.Process(target=_level_process, daemon=True, args=(
+            results, url, payload, samples, tensor_bytes, share, duration_s, reqs, model, target, timeout_s,
+            credentials, conns, start_at)))
+    before = asyncio.run(_stats_once(url, model, credentials)) if target == "voxserve" else None
+    for child in children:
+        child.start()
+    merged = LevelResult(target, concurrency, 0, 0, 0.0, samples, tensor_bytes)
+    try:
+        for done in range(processes):
+            while True:
+                try:
+                    part = results.get(timeout=1.0)
+                    break
+                except queue.Empty:
+                    if not any(c.is_alive() for c in children) and results.empty():
+                        raise RuntimeError("the load processes exited without a result") from None
+                    if progress:
+                        print(f"\r  {target} c={concurrency}: {done} of {processes} load processes done, "
+                              f"{max(0.0, time.time() - start_at):.0f} s", end="", file=sys.stderr, flush=True)
+            if isinstance(part, BaseException):
+                raise RuntimeError(f"a load process failed: {part!r}")
+            n, errors, seconds, latencies = part
+            merged.requests += n
+            merged.errors += errors
+            merged.seconds = max(merged.seconds, seconds)
+            merged.latencies_ms.extend(latencies)
+    finally:
+        for child in children:
+            child.join(10)
+            if child.is_alive():
+                child.terminate()
+        if progress:
+            print(file=sys.stderr)
+    after = asyncio.run(_stats_once(url, model, credentials)) if target == "voxserve" else None
+    _server_split(merged, before, after)
+    return merged
+
+
+async def _stats_once(url: str, model: str, credentials: Credentials) -> pb.ModelStatistics | None:
+    async with credentials.channel(url, _channel_options(DEFAULT_MAX_MESSAGE_BYTES), aio=True) as channel:
+        return await _stats(channel, model, credentials.metadata())
+
+
+def _server_split(result: LevelResult, before: pb.ModelStatistics | None, after: pb.ModelStatistics | None) -> None:
+    """The server's mean queue time per request and compute time per execution over the level."""
+    if before is None or after is None:
+        return
+    s0, s1 = before.inference_stats, after.inference_stats
+    if s1.queue.count > s0.queue.count:
+        result.server_queue_ms = (s1.queue.ns - s0.queue.ns) / (s1.queue.count - s0.queue.count) / 1e6
+    if s1.compute_infer.count > s0.compute_infer.count:
+        result.server_compute_ms = ((s1.compute_infer.ns - s0.compute_infer.ns)
+                                    / (s1.compute_infer.count - s0.compute_infer.count) / 1e6)
 
 
 def _sink_main(port_queue) -> None:
@@ -255,10 +336,14 @@ def main(args) -> int:
             stack.callback(cleanup)
         for target, url, target_creds in targets:
             for c in levels:
-                results.append(asyncio.run(run_level(url, payload, args.batch, tensor_bytes, c, duration_s=duration,
-                                                     requests=args.requests, model=args.model_name, target=target,
-                                                     timeout_s=args.timeout_s, progress=not args.json,
-                                                     credentials=target_creds, connections=args.connections)))
+                common = dict(duration_s=duration, requests=args.requests, model=args.model_name, target=target,
+                              timeout_s=args.timeout_s, progress=not args.json, credentials=target_creds,
+                              connections=args.connections)
+                if args.processes > 1:
+                    results.append(run_level_processes(url, payload, args.batch, tensor_bytes, c,
+                                                       processes=args.processes, **common))
+                else:
+                    results.append(asyncio.run(run_level(url, payload, args.batch, tensor_bytes, c, **common)))
     if args.json:
         print(json.dumps({"shape": list(shape), "dtype": args.dtype, "request_bytes": len(payload),
                           "tensor_bytes": tensor_bytes, "shared_memory": bool(args.shared_memory),

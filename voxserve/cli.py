@@ -123,6 +123,10 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--connections", type=int, default=1,
                        help="connections the workers share (a server with --replicas serves each connection "
                        "on one replica) [default: %(default)s]")
+    bench.add_argument("--processes", type=int, default=1,
+                       help="load processes the workers and connections are split over: one Python process "
+                       "sends a few thousand small requests a second, a server with --frontends takes more "
+                       "[default: %(default)s]")
     bench.add_argument("--compare-raw", action="store_true",
                        help="also send the same bytes to a trivial sink server: the raw gRPC ceiling")
     bench.add_argument("--json", action="store_true", help="print the results as JSON")
