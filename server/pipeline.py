@@ -40,6 +40,9 @@ _TORCH_WIRE = {"FP32": torch.float32, "FP16": torch.float16, "BF16": torch.bfloa
 # instead of capturing (a device-wide synchronisation and a garbage collection each) one per size.
 GRAPH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 
+# Host copies from this size on use torch's multi-threaded copy; smaller ones a single memcpy.
+PARALLEL_COPY_BYTES = 4 * 1024 * 1024
+
 
 def pinned_buffer(nbytes: int) -> memoryview:
     """Page-locked host memory (torch's caching host allocator) as a writable buffer."""
@@ -91,7 +94,7 @@ class Pending:
     cout: int
     host_copy_ns: int
     events: tuple[torch.cuda.Event, ...]  # h2d start, h2d end, compute start, compute end, d2h end
-    source: torch.Tensor | None = None  # a pinned request buffer the DMA reads in place: alive until done
+    source: list[torch.Tensor] | None = None  # pinned request buffers the DMA reads in place: alive until done
 
 
 class CudaPipeline:
@@ -128,11 +131,16 @@ class CudaPipeline:
                 with warnings.catch_warnings():  # request bytes are read-only; they are only read here
                     warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
                     sources.append(torch.from_numpy(np.ascontiguousarray(a).reshape(-1).view(np.uint8)))
-            direct = sources[0] if len(sources) == 1 and sources[0].is_pinned() else None
+            # Sources already in page-locked memory (shared-memory inputs; a front end's arena, which the engine
+            # registers) go to the GPU in place, one DMA each; otherwise they are merged into the slot's staging.
+            direct = sources if all(src.is_pinned() for src in sources) else None
             if direct is None:
                 offset = 0
-                for src in sources:  # copy 1: into pinned memory (torch's copy is multi-threaded for large tensors)
-                    slot.host[offset : offset + src.numel()].copy_(src)
+                for src in sources:  # copy 1: into pinned memory
+                    if src.numel() >= PARALLEL_COPY_BYTES:  # torch's copy is multi-threaded for large tensors
+                        slot.host[offset : offset + src.numel()].copy_(src)
+                    else:  # one memcpy: cheaper than waking a thread pool on a busy machine
+                        slot.host[offset : offset + src.numel()].numpy()[:] = src.numpy()
                     offset += src.numel()
             host_copy_ns = time.perf_counter_ns() - t0
             with self._lock:
@@ -144,7 +152,13 @@ class CudaPipeline:
             h2d_start, h2d_end, start, end, done = events
             with torch.cuda.stream(self.copy_stream):
                 h2d_start.record()
-                slot.dev[:nbytes].copy_(slot.host[:nbytes] if direct is None else direct, non_blocking=True)  # copy 2
+                if direct is None:
+                    slot.dev[:nbytes].copy_(slot.host[:nbytes], non_blocking=True)  # copy 2
+                else:
+                    offset = 0
+                    for src in direct:
+                        slot.dev[offset : offset + src.numel()].copy_(src, non_blocking=True)
+                        offset += src.numel()
                 if padded_bytes > nbytes:
                     slot.dev[nbytes:padded_bytes].zero_()
                 h2d_end.record()

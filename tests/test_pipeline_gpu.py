@@ -82,6 +82,13 @@ def test_pinned_request_buffer_goes_to_the_gpu_without_a_host_copy():
     y2, _ = model.run_arrays([pinned, x[:1]], "FP32")
     assert model.pipeline.staged_bytes - staged == x.nbytes + x[:1].nbytes
     assert relative_error(torch.from_numpy(y2), _ref(np.concatenate([x, x[:1]]), "FP32", model)) <= FP32_TOL
+    # A batch of pinned requests (a front end's page-locked arena) goes over as one DMA each, no host copy.
+    other = np.frombuffer(pinned_buffer(x[:3].nbytes), dtype=np.float32).reshape(x[:3].shape)
+    other[...] = x[1:] * 2
+    staged, direct = model.pipeline.staged_bytes, model.pipeline.direct_bytes
+    y3, _ = model.run_arrays([pinned, other], "FP32")
+    assert model.pipeline.staged_bytes == staged and model.pipeline.direct_bytes - direct == x.nbytes + other.nbytes
+    assert relative_error(torch.from_numpy(y3), _ref(np.concatenate([x, other]), "FP32", model)) <= FP32_TOL
 
 
 def test_shared_memory_inputs_are_read_into_pinned_memory():
