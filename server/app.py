@@ -16,9 +16,19 @@ from grpc_reflection.v1alpha import reflection
 from . import security
 from . import weights as weights_io
 from .codec import ModelSpec
+from .engine import build_models, run_engine
+from .ipc import Arena
 from .metrics import LATENCY_BUCKETS_S, Metrics, parse_buckets
-from .model import Model, select_devices
-from .replicas import REPLICA_DIR_ENV, REPLICA_INDEX_ENV, resolve_replicas, supervise
+from .remote import RemoteRunner
+from .replicas import (
+    ENGINE_SOCKET_ENV,
+    ENGINES_ENV,
+    REPLICA_DIR_ENV,
+    REPLICA_INDEX_ENV,
+    ROLE_ENV,
+    resolve_replicas,
+    supervise,
+)
 from .runner import BatchingConfig, Runner
 from .service import SERVICE_NAME, InferenceService, ServingState, add_to_server
 from .settings import Settings
@@ -67,6 +77,9 @@ class VoxServer:
             replica = os.environ.get(REPLICA_INDEX_ENV, str(os.getpid()))
             self.state.stats.share(os.path.join(replica_dir, "stats"), replica)
         self._replica_dir = replica_dir
+        # A front end of --frontends: the model runs in the engines listening on these sockets.
+        engines = os.environ.get(ENGINES_ENV, "") if os.environ.get(ROLE_ENV) == "frontend" else ""
+        self._engines = [p for p in engines.split(os.pathsep) if p]
         self._publish_task: asyncio.Task[None] | None = None
         self.service = InferenceService(self.state, self.metrics, settings.model_name, settings.model_version,
                                         self.shm)
@@ -95,9 +108,10 @@ class VoxServer:
         """
         s = self.settings
         t0 = time.perf_counter()
-        self._weights = await asyncio.to_thread(
-            lambda: weights_io.load(s.weights) if s.weights else weights_io.default_weights())
-        self.metrics.startup_duration.labels(s.model_name, "weights").set(time.perf_counter() - t0)
+        if not self._engines:  # (a front end's engines read the weights)
+            self._weights = await asyncio.to_thread(
+                lambda: weights_io.load(s.weights) if s.weights else weights_io.default_weights())
+            self.metrics.startup_duration.labels(s.model_name, "weights").set(time.perf_counter() - t0)
         address = f"{s.host}:{s.grpc_port}"
         if self._credentials is not None:
             self.port = self.server.add_secure_port(address, self._credentials)
@@ -129,52 +143,47 @@ class VoxServer:
 
     async def _load(self) -> None:
         s = self.settings
-        try:
-            models = await asyncio.to_thread(self._build_models)
-            model = models[0]
-            self.state.spec = ModelSpec(s.model_name, s.model_version, model.cin, model.cout, model.k,
-                                        s.max_request_samples, s.max_request_voxels)
-            batching = BatchingConfig(s.batching, s.max_queue_delay_ms / 1e3, s.max_queue_size)
-            loop = asyncio.get_running_loop()
-            self.state.runner = Runner(models, self.state.stats, self.metrics, batching,
-                                       lambda reason: loop.call_soon_threadsafe(self._device_lost, reason))
-            if model.pipeline is not None:  # shared-memory inputs land in pinned memory: the GPU copies them in place
-                from .pipeline import pinned_buffer
+        batching = BatchingConfig(s.batching, s.max_queue_delay_ms / 1e3, s.max_queue_size)
+        loop = asyncio.get_running_loop()
 
-                self.shm.allocate = pinned_buffer
-            devices = ",".join(str(m.device) for m in models)
-            self.state.device, self.state.kernel = devices, model.kernel
-            self.metrics.set_build(devices, model.kernel)
+        def lost(reason: str) -> None:
+            loop.call_soon_threadsafe(self._device_lost, reason)
+
+        try:
+            if self._engines:
+                arena = Arena(s.frontend_arena_bytes)
+                frontend = os.environ.get(REPLICA_INDEX_ENV, "")
+                runner = await RemoteRunner.connect(self._engines, arena, frontend, batching, lost)
+                self.state.runner = runner
+                hello = runner.links[0].hello
+                cin, cout, k = int(hello["cin"]), int(hello["cout"]), int(hello["k"])
+                devices, kernel = ",".join(runner.devices), runner.kernel
+                self.shm.allocate = arena.allocate_now  # shared-memory inputs land in the arena: no second copy
+            else:
+                models = await asyncio.to_thread(build_models, s, self._weights, self.metrics)
+                model = models[0]
+                cin, cout, k = model.cin, model.cout, model.k
+                self.state.runner = Runner(models, self.state.stats, self.metrics, batching, lost)
+                if model.pipeline is not None:  # shared-memory inputs land in pinned memory: the GPU copies in place
+                    from .pipeline import pinned_buffer
+
+                    self.shm.allocate = pinned_buffer
+                devices, kernel = ",".join(str(m.device) for m in models), model.kernel
+            self.state.spec = ModelSpec(s.model_name, s.model_version, cin, cout, k, s.max_request_samples,
+                                        s.max_request_voxels)
+            self.state.device, self.state.kernel = devices, kernel
+            self.metrics.set_build(devices, kernel)
             if not self.state.draining:
                 self.state.ready = True
                 await self._set_serving(True)
-                log.info("ready: model '%s' v%s (Cin=%d, Cout=%d, k=%d) on %s with %s", s.model_name,
-                         s.model_version, model.cin, model.cout, model.k, devices, model.kernel)
+                log.info("ready: model '%s' v%s (Cin=%d, Cout=%d, k=%d) on %s with %s%s", s.model_name,
+                         s.model_version, cin, cout, k, devices, kernel,
+                         f" (front end of {len(self._engines)} engine(s))" if self._engines else "")
         except Exception as exc:
             self.load_error = exc
             log.error("start-up failed: %s", exc)
         finally:
             self._ready.set()
-
-    def _build_models(self) -> list[Model]:
-        """One model per serving device (--devices), each warmed up against float64 before it serves."""
-        s = self.settings
-        weights = self._weights
-        assert weights is not None, "start() reads the weights first"
-        log.info("weights: %s (Cout=%d, Cin=%d, k=%d)", weights.source, weights.cout, weights.cin, weights.k)
-        startup = self.metrics.startup_duration
-        t0 = time.perf_counter()
-        chosen = select_devices(s.device, s.devices)  # on a GPU: builds or loads the fused kernel
-        startup.labels(s.model_name, "kernel").set(time.perf_counter() - t0)
-        models = []
-        t0 = time.perf_counter()
-        for device, kernel in chosen:
-            model = Model(weights, device, kernel, s.max_batch, s.precision)
-            err = model.warm_up()
-            log.info("warm-up on %s matched the float64 reference (relative error %.1e)", device, err)
-            models.append(model)
-        startup.labels(s.model_name, "warmup").set(time.perf_counter() - t0)
-        return models
 
     def _device_lost(self, reason: str) -> None:
         """The device failed beyond repair: stop reporting ready so the orchestrator replaces this replica."""
@@ -244,12 +253,19 @@ class VoxServer:
 
 
 def serve(settings: Settings) -> int:
-    """Run a server in this process until it is signalled (with --replicas N > 1: N processes); the CLI's
-    `serve`."""
+    """Run a server in this process until it is signalled (with --replicas N > 1 or --frontends: a supervisor
+    of several processes); the CLI's `serve`."""
+    def configure_logging() -> None:
+        logging.basicConfig(level=settings.log_level.upper(),
+                            format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+    if os.environ.get(ROLE_ENV) == "engine":  # one of --frontends' engines
+        return run_engine(settings, os.environ[ENGINE_SOCKET_ENV], int(os.environ.get(REPLICA_INDEX_ENV, "0")),
+                          os.path.join(os.environ[REPLICA_DIR_ENV], "stats"), configure_logging)
     replicas = resolve_replicas(settings)
-    if replicas > 1:
+    if replicas > 1 or settings.frontends > 0:
         return supervise(dataclasses.replace(settings, replicas=replicas))
-    logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging()
 
     async def main() -> int:
         try:

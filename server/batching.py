@@ -80,6 +80,11 @@ class DynamicBatcher:
 
     async def submit(self, array: np.ndarray, datatype: str, timeout_s: float | None = None) -> BatchResult:
         """Queue one request's (N, Cin, D, H, W) array; QueueFull at once when the queue is full."""
+        return await self.enqueue(array, datatype, timeout_s)  # a cancelled caller cancels the future: skipped
+
+    def enqueue(self, array: np.ndarray, datatype: str, timeout_s: float | None = None) -> asyncio.Future:
+        """``submit`` without a coroutine: the future of the request's BatchResult (cancel it to drop the
+        request); QueueFull at once when the queue is full."""
         self.admit()
         loop = asyncio.get_running_loop()
         if self._task is None:
@@ -89,7 +94,7 @@ class DynamicBatcher:
         self._queued += 1
         self._on_depth(self._queued)
         self._wake.set()
-        return await item.future  # a cancelled caller cancels the future: the loop then skips the item
+        return item.future
 
     def _next_group(self) -> tuple | None:
         """The group whose head request arrived first."""

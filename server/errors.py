@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import grpc
 
+from .batching import DeadlineExceeded, QueueFull
+
 
 class ServingError(Exception):
     """A request-level failure the client is told about with ``code`` and ``message``."""
@@ -35,3 +37,14 @@ def unavailable(message: str) -> ServingError:
 
 def unimplemented(message: str) -> ServingError:
     return ServingError(grpc.StatusCode.UNIMPLEMENTED, message)
+
+
+def runner_error(exc: BaseException, model_name: str) -> ServingError | None:
+    """The client-facing error for what the runner raises, or None for an unexpected failure."""
+    if isinstance(exc, ServingError):
+        return exc
+    if isinstance(exc, QueueFull):
+        return unavailable(f"model '{model_name}' is overloaded: {exc}; retry later")
+    if isinstance(exc, DeadlineExceeded):
+        return ServingError(grpc.StatusCode.DEADLINE_EXCEEDED, str(exc))
+    return None

@@ -45,6 +45,15 @@ log = logging.getLogger("voxserve.replicas")
 # Set for the children: the run directory of the shared registry and metrics.
 REPLICA_DIR_ENV = "VOXSERVE_REPLICA_DIR"
 REPLICA_INDEX_ENV = "VOXSERVE_REPLICA_INDEX"
+# With --frontends: the child's role ("engine" or "frontend"), an engine's socket, a front end's engines.
+ROLE_ENV = "VOXSERVE_ROLE"
+ENGINE_SOCKET_ENV = "VOXSERVE_ENGINE_SOCKET"
+ENGINES_ENV = "VOXSERVE_ENGINES"
+
+
+# After SIGTERM, how long past the grace period the children may take before they are killed (an engine
+# waits for its front ends to drain, then exits itself).
+STOP_MARGIN_S = 15.0
 
 
 def reserve_port(host: str, port: int) -> socket.socket:
@@ -75,7 +84,7 @@ def replica_devices(settings: Settings, replicas: int, gpu_count: int) -> list[t
     return [(settings.device, settings.devices)] * replicas
 
 
-def child_environment(settings: Settings, run_dir: str, index: int, device: str, devices: str, port: int,
+def child_environment(settings: Settings, run_dir: str, index: int | str, device: str, devices: str, port: int,
                       base: dict[str, str] | None = None) -> dict[str, str]:
     """The environment of replica ``index``: every setting as its VOXSERVE_* twin (so no flag needs
     re-spelling), with its own device, the shared port, no metrics port of its own and one replica."""
@@ -92,6 +101,7 @@ def child_environment(settings: Settings, run_dir: str, index: int, device: str,
         env_name("grpc_port"): str(port),
         env_name("metrics_port"): "-1",
         env_name("replicas"): "1",
+        env_name("frontends"): "0",
         REPLICA_DIR_ENV: run_dir,
         REPLICA_INDEX_ENV: str(index),
         "PROMETHEUS_MULTIPROC_DIR": os.path.join(run_dir, "metrics"),
@@ -133,15 +143,29 @@ def supervise(settings: Settings, command: Sequence[str] | None = None) -> int:
     metrics_server = None
     try:
         assignments = replica_devices(settings, settings.replicas, _gpu_count())
+        sockets = [os.path.join(run_dir, f"engine-{i}.sock") for i in range(len(assignments))]
         for i, (device, devices) in enumerate(assignments):
             env = child_environment(settings, run_dir, i, device, devices, port)
+            if settings.frontends:
+                env.update({ROLE_ENV: "engine", ENGINE_SOCKET_ENV: sockets[i]})
             children.append(subprocess.Popen(command, env=env))
-            log.info("replica %d (pid %d) on %s, gRPC port %d", i, children[-1].pid, devices or device, port)
+            log.info("%s %d (pid %d) on %s%s", "engine" if settings.frontends else "replica", i, children[-1].pid,
+                     devices or device, "" if settings.frontends else f", gRPC port {port}")
+        for j in range(settings.frontends):
+            env = child_environment(settings, run_dir, f"frontend-{j}", "cpu", "", port)
+            # A front end never touches a GPU: it only terminates RPCs and talks to the engines.
+            env.update({ROLE_ENV: "frontend", ENGINES_ENV: os.pathsep.join(sockets), "CUDA_VISIBLE_DEVICES": ""})
+            children.append(subprocess.Popen(command, env=env))
+            log.info("front end %d (pid %d), gRPC port %d", j, children[-1].pid, port)
         if settings.metrics_port >= 0:
             metrics_server, bound = _serve_metrics(settings.host, settings.metrics_port, run_dir)
             log.info("metrics of %d replicas on %s:%d", len(children), settings.host, bound)
 
+        stop_by: list[float] = []  # when children still running after a stop began are killed
+
         def forward(signum, _frame) -> None:
+            if not stopping.is_set():
+                stop_by.append(time.monotonic() + settings.grace_period_s + STOP_MARGIN_S)
             stopping.set()
             for child in children:
                 if child.poll() is None:
@@ -159,8 +183,13 @@ def supervise(settings: Settings, command: Sequence[str] | None = None) -> int:
                 log.error("replica pid %d exited with %s; stopping the others", bad.pid, bad.returncode)
                 code = 1
                 forward(signal.SIGTERM, None)
+            if stop_by and time.monotonic() > stop_by[0]:
+                stuck = [c.pid for c in children if c.poll() is None]
+                log.error("children %s did not stop within the grace period; killing them", stuck)
+                code = code or 1
+                break  # the finally clause kills them
             time.sleep(0.1)
-        codes = [c.returncode for c in children]
+        codes = [c.returncode for c in children if c.returncode is not None]
         return code or max((abs(c) for c in codes), default=0)
     finally:
         for child in children:

@@ -104,11 +104,28 @@ class Runner:
     def devices(self) -> list[str]:
         return [str(w.model.device) for w in self.workers]
 
+    @property
+    def batching(self) -> BatchingConfig:
+        b = self.batcher
+        return BatchingConfig(b.enabled, b.max_delay_s, b.max_queue)
+
+    def admit(self) -> None:
+        """QueueFull when no further request may queue (checked before a request is decoded)."""
+        self.batcher.admit()
+
     async def run(self, arr: np.ndarray, datatype: str, timeout_s: float | None = None) -> BatchResult:
         """Infer one request's (N, Cin, D, H, W) wire-typed array (raises QueueFull, DeadlineExceeded)."""
-        result = await self.batcher.submit(arr, datatype, timeout_s)
-        self._metrics.queue_duration.labels(self._metrics.model).observe(result.queue_ns / 1e9)
-        return result
+        return await self.enqueue(arr, datatype, timeout_s)
+
+    def enqueue(self, arr: np.ndarray, datatype: str, timeout_s: float | None = None) -> asyncio.Future:
+        """``run`` as a future (the engine of --frontends answers from its callback, no task per request)."""
+        future = self.batcher.enqueue(arr, datatype, timeout_s)
+        future.add_done_callback(self._observe_queue)
+        return future
+
+    def _observe_queue(self, future: asyncio.Future) -> None:
+        if not future.cancelled() and future.exception() is None:
+            self._metrics.queue_duration.labels(self._metrics.model).observe(future.result().queue_ns / 1e9)
 
     # --- executing one batch ---------------------------------------------------------
 

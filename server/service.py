@@ -18,7 +18,7 @@ from voxserve.proto import config_pb, pb
 from . import codec
 from .batching import DeadlineExceeded, QueueFull
 from .codec import ModelSpec
-from .errors import ServingError, unavailable
+from .errors import ServingError, runner_error, unavailable
 from .metrics import Metrics
 from .runner import Runner
 from .shm import SharedMemoryRegistry
@@ -160,8 +160,8 @@ class InferenceService:
         if gpu:
             group.gpus.extend(int(d.partition(":")[2] or 0) for d in devices)
         runner = self.state.runner
-        if runner is not None and runner.batcher.enabled:
-            config.dynamic_batching.max_queue_delay_microseconds = int(runner.batcher.max_delay_s * 1e6)
+        if runner is not None and runner.batching.enabled:
+            config.dynamic_batching.max_queue_delay_microseconds = int(runner.batching.max_delay_s * 1e6)
         config.parameters["device"].string_value = self.state.device
         config.parameters["kernel"].string_value = self.state.kernel
         config.parameters["accepted_input_datatypes"].string_value = "FP32,FP16,BF16"
@@ -251,17 +251,15 @@ class InferenceService:
                 codec.check_model(self.model_name, self.model_version, request.model_name, request.model_version)
                 raise unavailable(f"model '{self.model_name}' is not ready yet (loading or warming up)")
             try:
-                runner.batcher.admit()  # refuse before decoding: overload must cost as little as possible
+                runner.admit()  # refuse before decoding: overload must cost as little as possible
                 if codec.input_in_shared_memory(request):  # a tensor-sized copy: off the event loop
                     decoded = await asyncio.to_thread(codec.decode_request, request, spec, self.shm, parsed.raw)
                 else:
                     decoded = codec.decode_request(request, spec, self.shm, parsed.raw)
                 m.input_bytes.labels(model).inc(decoded.array.nbytes)
                 result = await runner.run(decoded.array, decoded.datatype, timeout_s)
-            except QueueFull as exc:
-                raise unavailable(f"model '{self.model_name}' is overloaded: {exc}; retry later") from None
-            except DeadlineExceeded as exc:
-                raise ServingError(grpc.StatusCode.DEADLINE_EXCEEDED, str(exc)) from None
+            except (QueueFull, DeadlineExceeded) as exc:
+                raise runner_error(exc, self.model_name) from None
             response = codec.encode_response(request, spec, result.output, decoded, self.shm)
             elapsed = time.perf_counter_ns() - arrived
             self.state.stats.record_success(decoded.samples, elapsed, result.queue_ns)

@@ -44,6 +44,8 @@ class Settings:
     auth_token_file: str = ""
     open_health: bool = False
     replicas: int = 0  # 0: one per GPU of --devices (1 without --devices)
+    frontends: int = 0  # 0: gRPC is served in the model's own process
+    frontend_arena_bytes: int = 256 * MiB
 
 
 # flag name, field, type, help. The environment twin is VOXSERVE_<FIELD upper-cased>.
@@ -105,6 +107,13 @@ _FLAGS: Sequence[tuple[str, str, Any, str]] = (
      "process per GPU scales where one process driving several does not; shared-memory regions, metrics "
      "and statistics are shared. 0: one per GPU of --devices (1 without --devices); 1 with "
      "--devices: one process, one runner per GPU"),
+    ("--frontends", "frontends", int,
+     "gRPC front-end processes sharing the port, in front of engine processes that only batch and execute "
+     "(one per replica): small requests then reach the batcher at the rate of N processes instead of one. "
+     "0: each replica terminates its own gRPC"),
+    ("--frontend-arena-bytes", "frontend_arena_bytes", int,
+     "with --frontends: each front end's shared staging memory for tensors on their way to an engine "
+     "(requests wait for room; larger ones travel in pieces)"),
 )  # fmt: skip
 
 
@@ -178,6 +187,9 @@ def validate(s: Settings) -> None:
     need(s.max_concurrent_rpcs >= 1, "--max-concurrent-rpcs", s.max_concurrent_rpcs, "must be >= 1")
     need(s.grace_period_s >= 0, "--grace-period-s", s.grace_period_s, "must be >= 0")
     need(0 <= s.replicas <= 64, "--replicas", s.replicas, "must be 0..64 (0: one per GPU of --devices)")
+    need(0 <= s.frontends <= 64, "--frontends", s.frontends, "must be 0..64")
+    need(MiB <= s.frontend_arena_bytes <= 2**40, "--frontend-arena-bytes", s.frontend_arena_bytes,
+         "must be between 1 MiB and 1 TiB")
     if s.latency_buckets_s:
         from .metrics import parse_buckets
 

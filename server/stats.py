@@ -150,6 +150,10 @@ class ModelStats:
         os.makedirs(directory, exist_ok=True)
         self._shared = (directory, f"{replica}.json")
 
+    @property
+    def shared(self) -> bool:
+        return self._shared is not None
+
     def publish(self) -> None:
         """Write this replica's snapshot (atomically: readers see the previous or this one, whole)."""
         if self._shared is None:

@@ -1,0 +1,299 @@
+"""The engine of ``--frontends``: the model and its runner in a process of their own, fed by gRPC front ends.
+
+One Python process terminating gRPC spends most of its interpreter lock on each RPC (gRPC's aio machinery,
+protobuf, asyncio; bench/results/service-h100-80gb-hbm3.md), so small requests reach the batcher no
+faster than one core can take them. With ``--frontends N`` the supervisor (server/replicas.py) starts N
+front ends that terminate RPCs on the shared port, and one engine per GPU that does nothing but batch and
+execute. A front end decodes a request, places its tensor in its staging arena and sends the engine a
+record (server/ipc.py); the engine batches the requests of every front end together, exactly as the
+in-process server batches its own, and answers each with its output rows. Per request the engine spends
+a record read, a view and a reply, so the batcher sees requests at the rate N processes can terminate them.
+
+Start-up: the engine loads the weights, builds and warms up its models, and only then listens on its
+socket, so a front end that connects finds a ready engine. Shutdown: on SIGTERM the engine keeps serving
+until every front end has drained and hung up (or the grace period plus a margin has passed).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import math
+import mmap
+import os
+import signal
+import socket
+import time
+from collections.abc import Callable
+
+import grpc
+import numpy as np
+
+from . import ipc
+from . import weights as weights_io
+from .batching import BatchResult
+from .errors import ServingError, runner_error
+from .metrics import LATENCY_BUCKETS_S, Metrics, parse_buckets
+from .model import Model, select_devices
+from .runner import BatchingConfig, Runner
+from .settings import Settings
+from .stats import ModelStats
+
+log = logging.getLogger("voxserve.engine")
+
+# How long after the front ends' grace period the engine waits for them to hang up before it exits anyway.
+DRAIN_MARGIN_S = 5.0
+
+
+def build_models(settings: Settings, weights: weights_io.Weights, metrics: Metrics) -> list[Model]:
+    """One model per serving device (--device / --devices), each warmed up against float64 before it serves."""
+    s = settings
+    log.info("weights: %s (Cout=%d, Cin=%d, k=%d)", weights.source, weights.cout, weights.cin, weights.k)
+    startup = metrics.startup_duration
+    t0 = time.perf_counter()
+    chosen = select_devices(s.device, s.devices)  # on a GPU: builds or loads the fused kernel
+    startup.labels(s.model_name, "kernel").set(time.perf_counter() - t0)
+    models = []
+    t0 = time.perf_counter()
+    for device, kernel in chosen:
+        model = Model(weights, device, kernel, s.max_batch, s.precision)
+        err = model.warm_up()
+        log.info("warm-up on %s matched the float64 reference (relative error %.1e)", device, err)
+        models.append(model)
+    startup.labels(s.model_name, "warmup").set(time.perf_counter() - t0)
+    return models
+
+
+def read_hello(sock: socket.socket, max_fds: int = 0) -> tuple[dict, list[int]]:
+    """A length-prefixed JSON hello (and up to ``max_fds`` descriptors with it) from a blocking socket."""
+    data, fds, _flags, _addr = socket.recv_fds(sock, 65536, max_fds) if max_fds else (sock.recv(65536), [], 0, 0)
+    if len(data) < ipc.HELLO_LENGTH.size:
+        raise ConnectionError("the peer closed the connection during the hello")
+    (length,) = ipc.HELLO_LENGTH.unpack_from(data)
+    while len(data) < ipc.HELLO_LENGTH.size + length:
+        more = sock.recv(65536)
+        if not more:
+            raise ConnectionError("the peer closed the connection during the hello")
+        data += more
+    return json.loads(data[ipc.HELLO_LENGTH.size : ipc.HELLO_LENGTH.size + length]), list(fds)
+
+
+def hello_bytes(message: dict) -> bytes:
+    body = json.dumps(message).encode()
+    return ipc.HELLO_LENGTH.pack(len(body)) + body
+
+
+class Engine:
+    def __init__(self, settings: Settings, socket_path: str, index: int = 0,
+                 stats_dir: str | None = None) -> None:
+        self.settings = settings
+        self.socket_path = socket_path
+        self.index = index
+        buckets = parse_buckets(settings.latency_buckets_s) if settings.latency_buckets_s else LATENCY_BUCKETS_S
+        self.metrics = Metrics(settings.model_name, buckets, gpu_metrics=False)
+        self.stats = ModelStats()
+        if stats_dir:
+            self.stats.share(stats_dir, f"engine-{index}")
+        self.runner: Runner | None = None
+        self.hello: dict = {}
+        self._connections: set[asyncio.Task] = set()
+        self._lost: str | None = None
+
+    def load(self) -> None:
+        """Weights, models, warm-up (blocking; before anything listens)."""
+        s = self.settings
+        t0 = time.perf_counter()
+        weights = weights_io.load(s.weights) if s.weights else weights_io.default_weights()
+        self.metrics.startup_duration.labels(s.model_name, "weights").set(time.perf_counter() - t0)
+        self._models = build_models(s, weights, self.metrics)
+        model = self._models[0]
+        devices = ",".join(str(m.device) for m in self._models)
+        self.hello = {"engine": self.index, "cin": model.cin, "cout": model.cout, "k": model.k,
+                      "device": devices, "kernel": model.kernel, "pid": os.getpid()}
+        self.metrics.set_build(devices, model.kernel)
+
+    async def serve(self, stop: asyncio.Event) -> int:
+        """Answer front ends until ``stop`` is set and they have hung up; the exit code."""
+        s = self.settings
+        loop = asyncio.get_running_loop()
+        batching = BatchingConfig(s.batching, s.max_queue_delay_ms / 1e3, s.max_queue_size)
+        self.runner = Runner(self._models, self.stats, self.metrics, batching,
+                             lambda reason: loop.call_soon_threadsafe(self._device_lost, reason, stop))
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        listener.bind(self.socket_path)
+        listener.listen(64)
+        listener.setblocking(False)
+        self.metrics.model_ready.labels(s.model_name).set(1)
+        log.info("engine %d ready on %s with %s: %s", self.index, self.hello["device"], self.hello["kernel"],
+                 self.socket_path)
+        accept = asyncio.create_task(self._accept(listener))
+        publish = asyncio.create_task(self._publish()) if self.stats.shared else None
+        await stop.wait()
+        accept.cancel()
+        listener.close()
+        self.metrics.model_ready.labels(s.model_name).set(0)
+        if self._connections:
+            log.info("engine %d: waiting for %d front end(s) to drain", self.index, len(self._connections))
+            await asyncio.wait(self._connections, timeout=s.grace_period_s + DRAIN_MARGIN_S)
+        for task in self._connections:
+            task.cancel()
+        await self.runner.close()
+        if publish is not None:
+            publish.cancel()
+            self.stats.publish()
+        return 0 if self._lost is None else 1
+
+    def _device_lost(self, reason: str, stop: asyncio.Event) -> None:
+        # No request can be served here any more: exit, so the supervisor restarts the whole server.
+        self._lost = reason
+        stop.set()
+
+    async def _publish(self) -> None:
+        while True:
+            await asyncio.sleep(0.5)
+            try:
+                await asyncio.to_thread(self.stats.publish)
+            except OSError as exc:
+                log.warning("publishing statistics failed: %s", exc)
+
+    async def _accept(self, listener: socket.socket) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            conn, _ = await loop.sock_accept(listener)
+            task = asyncio.create_task(self._connection(conn))
+            self._connections.add(task)
+            task.add_done_callback(self._connections.discard)
+
+    async def _connection(self, conn: socket.socket) -> None:
+        """One front end: its hello (with its arena), then its requests until it hangs up."""
+        try:
+            conn.setblocking(True)
+            conn.settimeout(10.0)
+            hello, fds = await asyncio.to_thread(read_hello, conn, 1)
+            if len(fds) != 1:
+                raise ConnectionError(f"the front end sent {len(fds)} descriptors with its hello, not its arena")
+            try:
+                arena = mmap.mmap(fds[0], int(hello["arena_bytes"]))
+            finally:
+                os.close(fds[0])
+            conn.settimeout(None)
+            conn.setblocking(False)
+            reader, writer = await asyncio.open_unix_connection(sock=conn)
+        except (OSError, ValueError, KeyError, ConnectionError) as exc:
+            log.error("engine %d: a front end's hello failed: %s", self.index, exc)
+            conn.close()
+            return
+        view = np.frombuffer(arena, np.uint8)
+        pinned = await asyncio.to_thread(self._pin, view)
+        log.info("engine %d: front end %s connected (arena %d MiB%s)", self.index, hello.get("frontend"),
+                 len(arena) >> 20, ", page-locked: the GPU reads requests in place" if pinned else "")
+        writer.write(hello_bytes(self.hello))
+        pending: dict[int, asyncio.Future] = {}
+        try:
+            await self._requests(reader, writer, view, pending)
+        finally:
+            for future in pending.values():
+                future.cancel()  # the front end is gone: nobody reads these answers
+            writer.close()
+            log.info("engine %d: front end %s disconnected", self.index, hello.get("frontend"))
+
+    def _pin(self, arena: np.ndarray) -> bool:
+        """Page-lock a front end's arena for every GPU (the pipeline then DMAs requests from it without a host
+        copy). It stays registered for the life of the process: a front end connects once."""
+        if not any(m.device.type == "cuda" for m in self._models):
+            return False
+        import torch
+
+        cudart = torch.cuda.cudart()
+        err = cudart.cudaHostRegister(arena.ctypes.data, arena.nbytes, 1)  # 1: cudaHostRegisterPortable
+        if int(err) != 0:
+            log.warning("engine %d: page-locking a front end's arena failed (CUDA error %d): requests are staged "
+                        "through a host copy instead", self.index, int(err))
+            return False
+        return True
+
+    async def _requests(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, arena: np.ndarray,
+                        pending: dict[int, asyncio.Future]) -> None:
+        runner = self.runner
+        model_name = self.settings.model_name
+        size = ipc.REQUEST.size
+        while True:
+            try:
+                record = await reader.readexactly(size)
+            except (asyncio.IncompleteReadError, ConnectionError):
+                return
+            kind, dtype, req_id, offset, nbytes, deadline, *shape = ipc.REQUEST.unpack(record)
+            if kind == ipc.CANCEL:
+                future = pending.get(req_id)
+                if future is not None:
+                    future.cancel()
+                continue
+            try:
+                datatype = ipc.DATATYPES[dtype]
+                count = math.prod(shape)
+                if kind != ipc.INFER or count * ipc.ITEMSIZE[datatype] != nbytes or offset + nbytes > len(arena):
+                    raise ServingError(grpc.StatusCode.INTERNAL, f"malformed request record {kind, shape, nbytes}")
+                array = arena[offset : offset + nbytes].view(ipc.WIRE_DTYPES[datatype]).reshape(shape)
+                future = runner.enqueue(array, datatype, ipc.timeout_of(deadline))
+            except Exception as exc:
+                writer.write(_error_reply(req_id, exc, model_name))
+                continue
+            pending[req_id] = future
+            future.add_done_callback(_Reply(writer, pending, req_id, model_name))
+
+
+class _Reply:
+    """The done-callback of one request's future: its reply record."""
+
+    __slots__ = ("model_name", "pending", "req_id", "writer")
+
+    def __init__(self, writer: asyncio.StreamWriter, pending: dict, req_id: int, model_name: str) -> None:
+        self.writer, self.pending, self.req_id, self.model_name = writer, pending, req_id, model_name
+
+    def __call__(self, future: asyncio.Future) -> None:
+        self.pending.pop(self.req_id, None)
+        if self.writer.is_closing():
+            return
+        if future.cancelled():
+            self.writer.write(_error_reply(self.req_id, ServingError(grpc.StatusCode.CANCELLED, "cancelled"),
+                                           self.model_name))
+            return
+        exc = future.exception()
+        if exc is not None:
+            self.writer.write(_error_reply(self.req_id, exc, self.model_name))
+            return
+        result: BatchResult = future.result()
+        out = np.ascontiguousarray(result.output, dtype=np.float32)
+        self.writer.write(ipc.REPLY.pack(ipc.OK, 0, out.nbytes, self.req_id, result.queue_ns, result.batch_samples))
+        self.writer.write(out.data)
+
+
+def _error_reply(req_id: int, exc: BaseException, model_name: str) -> bytes:
+    error = runner_error(exc, model_name)
+    if error is None:
+        log.error("request failed in the engine: %s: %s", type(exc).__name__, exc)
+        error = ServingError(grpc.StatusCode.INTERNAL, "inference failed inside the server; see its log")
+    message = error.message.encode()
+    return ipc.REPLY.pack(ipc.ERROR, error.code.value[0], len(message), req_id, 0, 0) + message
+
+
+def run_engine(settings: Settings, socket_path: str, index: int, stats_dir: str | None,
+               configure_logging: Callable[[], None]) -> int:
+    """The engine process's main: load, serve until SIGTERM/SIGINT and the front ends' drain."""
+    configure_logging()
+    engine = Engine(settings, socket_path, index, stats_dir)
+    try:
+        engine.load()
+    except Exception as exc:
+        log.error("engine %d: start-up failed: %s", index, exc)
+        return 1
+
+    async def main() -> int:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        return await engine.serve(stop)
+
+    return asyncio.run(main())

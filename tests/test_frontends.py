@@ -1,0 +1,291 @@
+"""--frontends: gRPC front-end processes in front of an engine process (server/ipc.py, engine.py, remote.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import gc
+import os
+import re
+import signal
+import subprocess
+import sys
+import uuid
+
+import grpc
+import numpy as np
+import pytest
+import torch
+
+from voxserve.client import Client, InferenceError, SharedMemoryBuffer
+from voxserve.datatypes import to_wire
+from voxserve.kernels import reference_float64, reference_weights
+from voxserve.server.engine import Engine
+from voxserve.server.errors import ServingError
+from voxserve.server.ipc import Arena
+from voxserve.server.model import relative_error
+from voxserve.server.remote import RemoteRunner
+from voxserve.server.runner import BatchingConfig
+from voxserve.server.settings import Settings, validate
+
+from .conftest import REPO
+from .test_lifecycle import _free_port, _metric, _wait_for
+
+W, B = reference_weights()
+MiB = 1 << 20
+
+
+def _ref(x: np.ndarray) -> torch.Tensor:
+    return reference_float64(torch.from_numpy(np.asarray(x, dtype=np.float32)), W, B)
+
+
+# --- the arena -----------------------------------------------------------------------------------------
+
+
+def test_arena_blocks_are_reused_only_after_every_view_is_gone():
+    arena = Arena(MiB)
+    offset, block = arena.try_allocate(1000)
+    assert offset == 0 and len(block) == 1000
+    a = np.frombuffer(block, np.uint8).view(np.float32)  # views derived any way keep the block
+    t = torch.from_numpy(a.reshape(10, 25))
+    del block, a
+    gc.collect()
+    assert arena.in_use >= 1000
+    second, other = arena.try_allocate(1000)
+    assert second >= 1000  # not the first block's bytes: those are still viewed
+    del t
+    gc.collect()
+    assert arena.in_use < 2048  # the first block is back; the second one is still held
+    del other
+    gc.collect()
+    assert arena.in_use == 0
+    arena.close()
+
+
+def test_arena_wraps_refuses_when_full_and_places_views():
+    arena = Arena(MiB)
+    with pytest.raises(ValueError):
+        arena.try_allocate(arena.largest + 1)
+    held = [arena.try_allocate(300 * 1024) for _ in range(3)]
+    assert all(h is not None for h in held)
+    assert arena.try_allocate(300 * 1024) is None  # no room until the oldest is released
+    del held[0]
+    gc.collect()
+    offset, block = arena.try_allocate(300 * 1024)  # does not fit before the end: wraps to the start
+    assert offset == 0
+    x = np.frombuffer(block, np.uint8)
+    assert arena.offset_of(x[256:512]) == 256
+    assert arena.offset_of(np.zeros(8)) is None
+    assert arena.offset_of(x[::2]) is None  # not contiguous: copied like any other array
+    # The registry hook never waits: private memory while the ring is full.
+    fallback = arena.allocate_now(300 * 1024)
+    assert arena.offset_of(np.frombuffer(fallback, np.uint8)) is None
+    del block, x, held
+    gc.collect()
+    assert arena.offset_of(np.frombuffer(arena.allocate_now(4096), np.uint8)) is not None
+    arena.close()
+
+
+def test_arena_allocate_waits_for_room():
+    async def main():
+        arena = Arena(MiB)
+        first = arena.try_allocate(arena.largest)
+        second = arena.try_allocate(arena.largest)
+        waiter = asyncio.create_task(arena.allocate(4096))
+        await asyncio.sleep(0.02)
+        assert not waiter.done()
+        del first
+        gc.collect()
+        offset, _ = await asyncio.wait_for(waiter, 5)
+        assert offset == 0
+        del second
+
+    asyncio.run(main())
+
+
+# --- an engine and a front end's runner in one event loop --------------------------------------------------
+
+
+@contextlib.asynccontextmanager
+async def engine_and_runner(tmp_path, arena_bytes: int = 64 * MiB, runner_queue: int = 512, **engine_settings):
+    settings = Settings(device="cpu", **engine_settings)
+    path = str(tmp_path / f"e-{uuid.uuid4().hex[:6]}.sock")
+    engine = Engine(settings, path)
+    await asyncio.to_thread(engine.load)
+    stop = asyncio.Event()
+    serving = asyncio.create_task(engine.serve(stop))
+    lost: list[str] = []
+    runner = await asyncio.wait_for(RemoteRunner.connect(
+        [path], Arena(arena_bytes), "test", BatchingConfig(True, 0.0, runner_queue), lost.append), 30)
+    try:
+        yield engine, runner, stop, lost
+    finally:
+        await runner.close()
+        stop.set()
+        await asyncio.wait_for(serving, 30)
+
+
+def test_engine_serves_a_front_end_exactly_and_batches_its_requests(tmp_path):
+    rng = np.random.default_rng()
+
+    async def main():
+        async with engine_and_runner(tmp_path) as (engine, runner, _stop, _lost):
+            assert runner.devices == ["cpu"] and runner.cout == 16
+            shapes = [(1, 3, 5, 6, 7)] * 12 + [(3, 3, 4, 4, 4), (2, 3, 9, 5, 3)]
+            xs = [rng.standard_normal(s, dtype=np.float32) for s in shapes]
+            results = await asyncio.gather(*(runner.run(x, "FP32") for x in xs))
+            for x, r in zip(xs, results, strict=True):
+                assert r.output.shape == (x.shape[0], 16)
+                assert relative_error(torch.from_numpy(r.output.copy()), _ref(x)) <= 1e-5
+            assert max(r.batch_samples for r in results[:12]) > 1  # concurrent requests merged in the engine
+            for dtype in ("FP16", "BF16"):
+                x = rng.standard_normal((2, 3, 5, 5, 5), dtype=np.float32)
+                wire = np.frombuffer(to_wire(x, dtype), np.float16 if dtype == "FP16" else np.uint16).reshape(x.shape)
+                r = await runner.run(wire, dtype)
+                rounded = (torch.from_numpy(x).half() if dtype == "FP16" else torch.from_numpy(x).bfloat16()).float()
+                assert relative_error(torch.from_numpy(r.output.copy()), _ref(rounded.numpy())) <= 1e-5
+            stats = engine.stats.snapshot()
+            assert stats.execution_count < len(shapes) + 2
+        assert runner.arena.in_use == 0  # every request's arena space came back after its reply
+
+    asyncio.run(main())
+
+
+def test_requests_larger_than_an_arena_block_travel_in_pieces(tmp_path):
+    rng = np.random.default_rng()
+
+    async def main():
+        async with engine_and_runner(tmp_path, arena_bytes=MiB) as (_engine, runner, _stop, _lost):
+            x = rng.standard_normal((40, 3, 10, 10, 10), dtype=np.float32)  # 480 KB: blocks hold 512 KiB
+            y = rng.standard_normal((100, 3, 10, 10, 10), dtype=np.float32)  # 1.2 MB: more than the whole arena
+            rx, ry = await asyncio.gather(runner.run(x, "FP32"), runner.run(y, "FP32"))
+            assert relative_error(torch.from_numpy(rx.output.copy()), _ref(x)) <= 1e-5
+            assert relative_error(torch.from_numpy(ry.output.copy()), _ref(y)) <= 1e-5
+            huge = np.zeros((1, 3, 64, 64, 64), np.float32)  # one sample of 3 MB: cannot be split
+            with pytest.raises(ServingError) as err:
+                await runner.run(huge, "FP32")
+            assert err.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "--frontend-arena-bytes" in err.value.message
+
+    asyncio.run(main())
+
+
+def test_engine_deadlines_overload_and_cancellation(tmp_path):
+    rng = np.random.default_rng()
+    x = rng.standard_normal((1, 3, 8, 8, 8), dtype=np.float32)
+
+    async def main():
+        async with engine_and_runner(tmp_path, max_queue_size=2) as (_engine, runner, _stop, _lost):
+            with pytest.raises(ServingError) as err:
+                await runner.run(x, "FP32", timeout_s=0.0)
+            assert err.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
+            # The engine's own queue limit (2) answers UNAVAILABLE, naming it; the others are served.
+            outcomes = await asyncio.gather(*(runner.run(x, "FP32") for _ in range(40)), return_exceptions=True)
+            refused = [o for o in outcomes if isinstance(o, ServingError)]
+            assert refused and all(o.code == grpc.StatusCode.UNAVAILABLE and "--max-queue-size 2" in o.message
+                                   for o in refused)
+            assert len(refused) < len(outcomes)
+            del outcomes, refused  # (errors hold their tracebacks)
+            # Cancelled while waiting: the engine is told, and the arena space waits for its answer.
+            tasks = [asyncio.create_task(runner.run(x, "FP32")) for _ in range(2)]
+            await asyncio.sleep(0)
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            assert all(t.cancelled() for t in tasks)
+            await asyncio.wait_for(_until(lambda: runner.outstanding == 0), 10)
+            gc.collect()
+            assert runner.arena.in_use == 0
+            r = await runner.run(x, "FP32")  # still serving
+            assert relative_error(torch.from_numpy(r.output.copy()), _ref(x)) <= 1e-5
+
+    asyncio.run(main())
+
+
+def test_front_end_loses_its_engine(tmp_path):
+    x = np.zeros((1, 3, 4, 4, 4), np.float32)
+
+    async def main():
+        async with engine_and_runner(tmp_path) as (engine, runner, _stop, lost):
+            await runner.run(x, "FP32")
+            # The engine goes away (its process would exit): requests fail UNAVAILABLE, the front end is told.
+            for task in list(engine._connections):
+                task.cancel()
+            await asyncio.wait_for(_until(lambda: runner.device_lost is not None), 10)
+            assert lost and "engine" in lost[0]
+            with pytest.raises(ServingError) as err:
+                await runner.run(x, "FP32")
+            assert err.value.code == grpc.StatusCode.UNAVAILABLE and "restarted" in err.value.message
+
+    asyncio.run(main())
+
+
+async def _until(predicate, step: float = 0.01) -> None:
+    while not predicate():
+        await asyncio.sleep(step)
+
+
+def test_frontends_setting_is_checked():
+    validate(Settings(frontends=4))
+    for bad in (Settings(frontends=-1), Settings(frontend_arena_bytes=1000)):
+        with pytest.raises(ValueError, match="--frontend"):
+            validate(bad)
+
+
+# --- the whole server: two front ends and an engine ------------------------------------------------------
+
+
+def test_two_front_ends_and_an_engine_behind_one_port(tmp_path):
+    grpc_port, metrics_port = _free_port(), _free_port()
+    log = open(tmp_path / "server.log", "w+")  # noqa: SIM115 - the server process writes it until the end
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "voxserve", "serve", "--host", "127.0.0.1", "--grpc-port", str(grpc_port),
+         "--metrics-port", str(metrics_port), "--device", "cpu", "--frontends", "2",
+         "--frontend-arena-bytes", str(MiB), "--grace-period-s", "20"],
+        cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
+    url = f"127.0.0.1:{grpc_port}"
+    rng = np.random.default_rng()
+    try:
+        # voxserve_model_ready is the minimum over the engine and both front ends.
+        _wait_for(lambda: _metric(metrics_port, "voxserve_model_ready") == 1.0, 240, "engine and front ends ready")
+        clients = [Client(url, timeout_s=60) for _ in range(12)]  # 12 connections: the kernel spreads them
+        x = rng.standard_normal((2, 3, 5, 6, 7), dtype=np.float32)
+        for c in clients:
+            assert relative_error(torch.from_numpy(c.infer(x)), _ref(x)) <= 1e-5
+        big = rng.standard_normal((30, 3, 10, 12, 10), dtype=np.float32)  # 1.4 MB: in pieces through 1 MiB arenas
+        assert relative_error(torch.from_numpy(clients[0].infer(big)), _ref(big)) <= 1e-5
+        # Bad input is the front end's to refuse.
+        with pytest.raises(InferenceError) as err:
+            clients[1].infer(rng.standard_normal((1, 4, 5, 5, 5), dtype=np.float32))
+        assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT
+        # Shared memory: the input is read straight into a front end's arena, the output written back.
+        with SharedMemoryBuffer(f"vox_fe_{uuid.uuid4().hex[:8]}", x.nbytes) as seg:
+            seg.write(x.view(np.uint8).reshape(-1))
+            clients[0].register_system_shared_memory("fe_in", seg.key, x.nbytes)
+            for c in clients:
+                y = c.infer_shared_memory(x.shape, "fe_in")
+                assert relative_error(torch.from_numpy(y), _ref(x)) <= 1e-5
+            clients[3].unregister_system_shared_memory("fe_in")
+        expected = 2 * 2 * len(clients) + len(big)
+        def published() -> bool:  # executions are counted by the engine, requests by the front ends
+            stats = clients[2].model_statistics()
+            return stats.inference_count == expected and 0 < stats.execution_count <= expected
+
+        _wait_for(published, 10, "every process's statistics")
+        assert _metric(metrics_port, "voxserve_samples_total") == expected
+        for c in clients:
+            c.close()
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        log.seek(0)
+        text = log.read()
+        print(text)
+        log.close()
+    assert text.count("(front end of 1 engine(s))") == 2 and "engine 0 ready on cpu" in text
+    admitted = [int(n) for n in re.findall(r"stopped: (\d+) requests admitted", text)]
+    assert len(admitted) == 2 and min(admitted) > 0, admitted  # both front ends served (12 connections)
+    assert not os.path.exists(str(tmp_path / "engine-0.sock"))
