@@ -8,6 +8,8 @@ Scenarios (all through `voxserve.client.bench.run_level`: pre-serialised request
   2. the same batch as FP16 on the wire (voxserve);
   3. the same batch in system shared memory (voxserve; a client on the same host);
   4. batch-1 traffic at concurrency 64: voxserve with batching, without (--no-batching), MLServer.
+With --frontends N, voxserve also runs with N gRPC front ends before its engine (rows of their own); the
+batch-1 client is --processes load processes over --connections connections, the same for every server.
 MLServer runs the same model as a custom runtime with eager PyTorch (bench/mlserver_peer/), in its own
 process and Python environment (--mlserver-python, or this one with --mlserver-pythonpath prepended).
 Every server runs on this machine beside the client, one at a time.
@@ -32,7 +34,7 @@ from pathlib import Path
 import numpy as np
 
 from voxserve.client import Client, build_request
-from voxserve.client.bench import LevelResult, raw_sink, run_level, setup_shared_memory
+from voxserve.client.bench import LevelResult, raw_sink, run_level, run_level_processes, setup_shared_memory
 from voxserve.datatypes import to_wire
 from voxserve.kernels import reference_weights
 from voxserve.testing.load import ServerProcess, free_port
@@ -81,10 +83,13 @@ def mlserver(python: str, pythonpath: str | None, timeout_s: float = 300.0):
 
 
 def level(url: str, payload: bytes, samples: int, tensor_bytes: int, concurrency: int, target: str,
-          duration_s: float) -> LevelResult:
+          duration_s: float, processes: int = 1, connections: int = 1) -> LevelResult:
     print(f"  {target}: {samples} samples x c={concurrency}", file=sys.stderr, flush=True)
-    return asyncio.run(run_level(url, payload, samples, tensor_bytes, concurrency, duration_s=duration_s,
-                                 requests=None, model="voxnet", target=target, timeout_s=300.0))
+    common = dict(duration_s=duration_s, requests=None, model="voxnet", target=target, timeout_s=300.0,
+                  connections=connections)
+    if processes > 1:
+        return run_level_processes(url, payload, samples, tensor_bytes, concurrency, processes=processes, **common)
+    return asyncio.run(run_level(url, payload, samples, tensor_bytes, concurrency, **common))
 
 
 def run(args) -> dict[str, list[LevelResult]]:
@@ -96,6 +101,7 @@ def run(args) -> dict[str, list[LevelResult]]:
     single = build_request(one, "voxnet", "FP32").SerializeToString()
     n32, n16, n1 = full.nbytes, len(to_wire(full, "FP16")), one.nbytes
     d = args.duration
+    load = (args.processes, args.connections)  # the batch-1 client, the same for every server
     out: dict[str, list[LevelResult]] = {"full": [], "fp16": [], "shm": [], "batch1": []}
     with raw_sink() as sink:
         for c in args.full_concurrency:
@@ -112,14 +118,31 @@ def run(args) -> dict[str, list[LevelResult]]:
                 out["shm"].append(level(vox.url, payload, args.batch, n32, c, "voxserve", d))
         finally:
             cleanup()
-        out["batch1"].append(level(vox.url, single, 1, n1, 64, "voxserve", d))
+        out["batch1"].append(level(vox.url, single, 1, n1, 64, "voxserve", d, *load))
     with ServerProcess([*serve, "--no-batching"]) as vox:
-        out["batch1"].append(level(vox.url, single, 1, n1, 64, "voxserve, no batching", d))
+        out["batch1"].append(level(vox.url, single, 1, n1, 64, "voxserve, no batching", d, *load))
+    if args.frontends:
+        fe = f"voxserve --frontends {args.frontends}"
+        spread = max(4, args.frontends)  # connections, so that every front end gets some
+        with ServerProcess([*serve, "--frontends", str(args.frontends)]) as vox:
+            for c in args.full_concurrency:
+                out["full"].append(level(vox.url, fp32, args.batch, n32, c, fe, d, 1, spread))
+            for c in args.full_concurrency:
+                out["fp16"].append(level(vox.url, fp16, args.batch, n16, c, fe, d, 1, spread))
+            payload, cleanup = setup_shared_memory(vox.url, full, "FP32", "voxnet")
+            try:
+                for c in args.full_concurrency:
+                    out["shm"].append(level(vox.url, payload, args.batch, n32, c, fe, d, 1, spread))
+            finally:
+                cleanup()
+            out["batch1"].append(level(vox.url, single, 1, n1, 64, fe, d, *load))
+        with ServerProcess([*serve, "--frontends", str(args.frontends), "--no-batching"]) as vox:
+            out["batch1"].append(level(vox.url, single, 1, n1, 64, f"{fe}, no batching", d, *load))
     if args.mlserver_python or args.mlserver_pythonpath:
         with mlserver(args.mlserver_python or sys.executable, args.mlserver_pythonpath) as url:
             for c in args.full_concurrency:
                 out["full"].append(level(url, fp32, args.batch, n32, c, "MLServer", d))
-            out["batch1"].append(level(url, single, 1, n1, 64, "MLServer", d))
+            out["batch1"].append(level(url, single, 1, n1, 64, "MLServer", d, *load))
     return out
 
 
@@ -159,13 +182,18 @@ def render(args, out: dict[str, list[LevelResult]], device: str, seconds: float)
     lines.append(f"| shared memory vs raw gRPC ceiling, samples/s | {ratio(_best(out['shm'], 'voxserve'), raw)} | "
                  ">= 5x (GPU box) |")
     b1 = {r.target: r for r in out["batch1"]}
-    on, off = b1.get("voxserve"), b1.get("voxserve, no batching")
-    if on and off:
-        lines.append(f"| batch 1, c=64: batching vs none | {ratio(on, off)} (p99 {on.percentile(99):.0f} vs "
-                     f"{off.percentile(99):.0f} ms) | >= 4x, p99 stated |")
+    fe = f"voxserve --frontends {args.frontends}"
+    for server in ["voxserve", *([fe] if args.frontends else [])]:
+        on, off = b1.get(server), b1.get(f"{server}, no batching")
+        if on and off:
+            lines.append(f"| batch 1, c=64, `{server}`: batching vs none | {ratio(on, off)} ({on.rps:.0f} vs "
+                         f"{off.rps:.0f} req/s; p99 {on.percentile(99):.0f} vs {off.percentile(99):.0f} ms) | "
+                         ">= 4x, p99 stated |")
     mls_full, mls_1 = _best(out["full"], "MLServer"), b1.get("MLServer")
-    lines.append(f"| vs MLServer (eager PyTorch), full batch | {ratio(vox, mls_full)} | >= 2x |")
-    lines.append(f"| vs MLServer, batch 1 at c=64 | {ratio(on, mls_1)} | >= 2x |")
+    best_full = max((r for r in (vox, _best(out["full"], fe)) if r), key=lambda r: r.rps, default=None)
+    best_1 = max((r for r in (b1.get("voxserve"), b1.get(fe)) if r), key=lambda r: r.rps, default=None)
+    lines.append(f"| vs MLServer (eager PyTorch), full batch | {ratio(best_full, mls_full)} | >= 2x |")
+    lines.append(f"| vs MLServer, batch 1 at c=64 | {ratio(best_1, mls_1)} | >= 2x |")
     return "\n".join(lines) + "\n"
 
 
@@ -177,6 +205,10 @@ def main() -> int:
     parser.add_argument("--duration", type=float, default=5.0, help="seconds per level")
     parser.add_argument("--mlserver-python", default=None, help="a Python with mlserver and torch installed")
     parser.add_argument("--mlserver-pythonpath", default=None, help="prepend this to PYTHONPATH for MLServer")
+    parser.add_argument("--frontends", type=int, default=0,
+                        help="also run voxserve with --frontends N (its own rows in every table)")
+    parser.add_argument("--processes", type=int, default=1, help="load processes of the batch-1 client")
+    parser.add_argument("--connections", type=int, default=1, help="connections of the batch-1 client")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     t0 = time.perf_counter()

@@ -33,6 +33,7 @@ from .security import PLAINTEXT, Credentials
 from .shm import SharedMemoryBuffer
 
 INFER_METHOD = "/inference.GRPCInferenceService/ModelInfer"
+START_TIMEOUT_S = 120.0  # for --processes to import, connect and meet
 STATS_METHOD = "/inference.GRPCInferenceService/ModelStatistics"
 
 
@@ -48,6 +49,8 @@ class LevelResult:
     latencies_ms: list[float] = field(default_factory=list, repr=False)
     server_queue_ms: float | None = None  # mean per request, from ModelStatistics
     server_compute_ms: float | None = None  # mean per execution
+    wall_start: float = field(default=0.0, repr=False)  # time.time() of the first request sent
+    wall_end: float = field(default=0.0, repr=False)
 
     @property
     def rps(self) -> float:
@@ -77,7 +80,8 @@ async def run_level(url: str, payload: bytes, samples: int, tensor_bytes: int, c
                     duration_s: float | None,
                     requests: int | None, model: str, target: str, timeout_s: float = 120.0,
                     progress: bool = False, credentials: Credentials = PLAINTEXT,
-                    connections: int = 1, statistics: bool = True) -> LevelResult:
+                    connections: int = 1, statistics: bool = True,
+                    ready: Callable[[], None] | None = None) -> LevelResult:
     """Drive one concurrency level; exactly one of duration_s / requests bounds it. The workers share
     ``connections`` connections round-robin (a server of several replicas serves each on one replica)."""
     metadata = credentials.metadata()
@@ -91,6 +95,9 @@ async def run_level(url: str, payload: bytes, samples: int, tensor_bytes: int, c
         before = await _stats(channel, model, metadata) if statistics and target == "voxserve" else None
         result = LevelResult(target, concurrency, 0, 0, 0.0, samples, tensor_bytes)
         issued = 0
+        if ready is not None:  # connected: wait for the other load processes (blocks this loop, idle anyway)
+            ready()
+        result.wall_start = time.time()
         started = time.perf_counter()
         stop_at = started + duration_s if duration_s is not None else None
 
@@ -122,6 +129,7 @@ async def run_level(url: str, payload: bytes, samples: int, tensor_bytes: int, c
         reporter = asyncio.create_task(report()) if progress else None
         await asyncio.gather(*(worker(calls[i % len(calls)]) for i in range(concurrency)))
         result.seconds = time.perf_counter() - started
+        result.wall_end = time.time()
         if reporter is not None:
             reporter.cancel()
             print(file=sys.stderr)
@@ -132,14 +140,15 @@ async def run_level(url: str, payload: bytes, samples: int, tensor_bytes: int, c
 
 def _level_process(results, url: str, payload: bytes, samples: int, tensor_bytes: int, concurrency: int,
                    duration_s: float | None, requests: int | None, model: str, target: str, timeout_s: float,
-                   credentials: Credentials, connections: int, start_at: float) -> None:
-    """One of --processes: wait for the common start, drive its share of the level, send back the result."""
+                   credentials: Credentials, connections: int, start) -> None:
+    """One of --processes: connect, start with the others (``start``: a barrier of all of them and the
+    parent), drive its share of the level, send back the result."""
     try:
-        time.sleep(max(0.0, start_at - time.time()))
         r = asyncio.run(run_level(url, payload, samples, tensor_bytes, concurrency, duration_s=duration_s,
                                   requests=requests, model=model, target=target, timeout_s=timeout_s,
-                                  credentials=credentials, connections=connections, statistics=False))
-        results.put((r.requests, r.errors, r.seconds, r.latencies_ms))
+                                  credentials=credentials, connections=connections, statistics=False,
+                                  ready=lambda: start.wait(START_TIMEOUT_S)))
+        results.put((r.requests, r.errors, r.wall_start, r.wall_end, r.latencies_ms))
     except BaseException as exc:  # the parent must not wait for a result that will never come
         results.put(exc)
         raise
@@ -155,7 +164,7 @@ def run_level_processes(url: str, payload: bytes, samples: int, tensor_bytes: in
     processes = max(1, min(processes, concurrency))
     ctx = multiprocessing.get_context("spawn")
     results = ctx.Queue()
-    start_at = time.time() + 1.0 + 0.5 * processes  # after every child has imported grpc and connected
+    start = ctx.Barrier(processes + 1)
     children = []
     for i in range(processes):
         share = concurrency // processes + (i < concurrency % processes)
@@ -163,12 +172,16 @@ def run_level_processes(url: str, payload: bytes, samples: int, tensor_bytes: in
         reqs = None if requests is None else requests // processes + (i < requests % processes)
         children.append(ctx.Process(target=_level_process, daemon=True, args=(
             results, url, payload, samples, tensor_bytes, share, duration_s, reqs, model, target, timeout_s,
-            credentials, conns, start_at)))
+            credentials, conns, start)))
     before = asyncio.run(_stats_once(url, model, credentials)) if target == "voxserve" else None
     for child in children:
         child.start()
     merged = LevelResult(target, concurrency, 0, 0, 0.0, samples, tensor_bytes)
     try:
+        # Every process sends for the same window: started one by one, each would have the server to itself
+        # for a while and their summed rates would overstate what they reach together.
+        start.wait(START_TIMEOUT_S)
+        started = time.time()
         for done in range(processes):
             while True:
                 try:
@@ -179,14 +192,16 @@ def run_level_processes(url: str, payload: bytes, samples: int, tensor_bytes: in
                         raise RuntimeError("the load processes exited without a result") from None
                     if progress:
                         print(f"\r  {target} c={concurrency}: {done} of {processes} load processes done, "
-                              f"{max(0.0, time.time() - start_at):.0f} s", end="", file=sys.stderr, flush=True)
+                              f"{time.time() - started:.0f} s", end="", file=sys.stderr, flush=True)
             if isinstance(part, BaseException):
                 raise RuntimeError(f"a load process failed: {part!r}")
-            n, errors, seconds, latencies = part
+            n, errors, wall_start, wall_end, latencies = part
             merged.requests += n
             merged.errors += errors
-            merged.seconds = max(merged.seconds, seconds)
+            merged.wall_start = min(merged.wall_start or wall_start, wall_start)
+            merged.wall_end = max(merged.wall_end, wall_end)
             merged.latencies_ms.extend(latencies)
+        merged.seconds = merged.wall_end - merged.wall_start  # from the first request sent to the last answer
     finally:
         for child in children:
             child.join(10)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import time
 
 import pytest
 
@@ -61,3 +62,19 @@ def test_bench_spreads_workers_over_connections(server, capsys):
     assert rc == 0
     level = json.loads(capsys.readouterr().out)["levels"][0]
     assert level["requests"] == 8 and level["errors"] == 0 and level["server_compute_ms"] > 0
+
+
+def test_bench_load_processes_send_together(server, capsys):
+    before = time.time()
+    rc = main(["bench", "--url", server.url, "--batch", "2", "--shape", "3,4,5,6", "--concurrency", "5",
+               "--duration", "1.5", "--processes", "2", "--connections", "2", "--json"])
+    assert rc == 0
+    level = json.loads(capsys.readouterr().out)["levels"][0]
+    assert level["requests"] > 0 and level["errors"] == 0 and level["server_compute_ms"] > 0
+    # Both processes send over the same window (a barrier starts them): the level lasts one duration, measured
+    # from the first request to the last answer, not the sum or the stagger of two.
+    assert 1.5 <= level["seconds"] < 3.0 and level["wall_start"] >= before
+    rc = main(["bench", "--url", server.url, "--shape", "3,4,5,6", "--concurrency", "3", "--requests", "10",
+               "--processes", "3", "--json"])
+    level = json.loads(capsys.readouterr().out)["levels"][0]
+    assert rc == 0 and level["requests"] == 10 and level["errors"] == 0

@@ -16,6 +16,7 @@ import sys
 import tempfile
 import threading
 import time
+import urllib.request
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -65,11 +66,20 @@ class ServerProcess:
             while time.monotonic() < deadline:
                 if self.proc.poll() is not None:
                     raise RuntimeError(f"the server exited with {self.proc.returncode}:\n{self.log_text()[-3000:]}")
-                if c.is_ready():
+                # Ready over gRPC, and every process ready (--replicas, --frontends: the metric is their minimum).
+                if c.is_ready() and self._all_ready():
                     return
                 time.sleep(0.1)
         self.close()
         raise TimeoutError(f"the server was not ready within {timeout_s} s:\n{self.log_text()[-3000:]}")
+
+    def _all_ready(self) -> bool:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=2) as r:
+                text = r.read().decode()
+        except OSError:
+            return False
+        return any(line.startswith("voxserve_model_ready{") and line.endswith(" 1.0") for line in text.splitlines())
 
     def rss_mb(self) -> float:
         return _proc_status(self.proc.pid, "VmRSS")
@@ -92,10 +102,15 @@ class ServerProcess:
         self._log.seek(0)
         return self._log.read()
 
-    def close(self) -> None:
+    def close(self, grace_s: float = 30.0) -> None:
+        """SIGTERM (a supervisor of several processes passes it on), SIGKILL if it has not exited in grace_s."""
         if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
+            self.proc.terminate()
+            try:
+                self.proc.wait(grace_s)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
         self._log.close()
 
     def __enter__(self) -> ServerProcess:
