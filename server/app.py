@@ -26,6 +26,7 @@ from .replicas import (
     REPLICA_DIR_ENV,
     REPLICA_INDEX_ENV,
     ROLE_ENV,
+    die_with_supervisor,
     resolve_replicas,
     supervise,
 )
@@ -259,6 +260,8 @@ def serve(settings: Settings) -> int:
         logging.basicConfig(level=settings.log_level.upper(),
                             format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
+    if os.environ.get(REPLICA_DIR_ENV):  # a child of the supervisor of --replicas / --frontends
+        die_with_supervisor()
     if os.environ.get(ROLE_ENV) == "engine":  # one of --frontends' engines
         return run_engine(settings, os.environ[ENGINE_SOCKET_ENV], int(os.environ.get(REPLICA_INDEX_ENV, "0")),
                           os.path.join(os.environ[REPLICA_DIR_ENV], "stats"), configure_logging)

@@ -56,6 +56,19 @@ ENGINES_ENV = "VOXSERVE_ENGINES"
 STOP_MARGIN_S = 15.0
 
 
+def die_with_supervisor() -> None:
+    """In a child: be sent SIGTERM when the supervisor dies (killed outright, it forwards nothing), so no
+    engine or replica outlives it holding a GPU or the port. Linux only; elsewhere a no-op."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    parent = os.getppid()
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # 1: PR_SET_PDEATHSIG
+    if os.getppid() != parent:  # the supervisor died before the request took effect
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
 def reserve_port(host: str, port: int) -> socket.socket:
     """Bind (not listen) a SO_REUSEPORT socket on host:port: fixes the port when it is 0 and keeps it ours
     while the replicas bind it too (they set SO_REUSEPORT as well; only listening sockets get connections)."""

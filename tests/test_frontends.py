@@ -289,3 +289,33 @@ def test_two_front_ends_and_an_engine_behind_one_port(tmp_path):
     admitted = [int(n) for n in re.findall(r"stopped: (\d+) requests admitted", text)]
     assert len(admitted) == 2 and min(admitted) > 0, admitted  # both front ends served (12 connections)
     assert not os.path.exists(str(tmp_path / "engine-0.sock"))
+
+
+def test_children_stop_when_the_supervisor_is_killed(tmp_path):
+    """SIGKILL leaves the supervisor no chance to pass anything on: the children must notice by themselves."""
+    metrics_port = _free_port()
+    log = open(tmp_path / "server.log", "w+")  # noqa: SIM115 - the server process writes it until the end
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "voxserve", "serve", "--host", "127.0.0.1", "--grpc-port", "0", "--metrics-port",
+         str(metrics_port), "--device", "cpu", "--frontends", "1"], cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        _wait_for(lambda: _metric(metrics_port, "voxserve_model_ready") == 1.0, 240, "engine and front end ready")
+        log.seek(0)
+        pids = [int(p) for p in re.findall(r"\(pid (\d+)\)", log.read())]
+        assert len(pids) == 2
+        proc.kill()
+        proc.wait()
+
+        def gone(pid: int) -> bool:
+            try:
+                with open(f"/proc/{pid}/stat") as f:
+                    return f.read().split(") ")[1].startswith("Z")  # a zombie has exited
+            except FileNotFoundError:
+                return True
+
+        _wait_for(lambda: all(gone(p) for p in pids), 60, "the engine and the front end to exit")
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        log.close()
