@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import subprocess
+import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -70,3 +72,39 @@ def rng() -> torch.Generator:
     seed = torch.seed()
     print(f"random seed {seed}")
     return torch.Generator().manual_seed(seed)
+
+
+@dataclasses.dataclass
+class ServeProcess:
+    proc: subprocess.Popen
+    grpc_port: int
+    metrics_port: int
+    log: str = ""  # the whole log, once the process has exited
+
+    @property
+    def url(self) -> str:
+        return f"127.0.0.1:{self.grpc_port}"
+
+
+@contextlib.contextmanager
+def serve_process(log_path: Path, *flags: str) -> Iterator[ServeProcess]:
+    """``voxserve serve`` (and whatever it supervises) in a child process on free loopback ports; killed if still
+    running at the end, its log printed and kept in ``.log``."""
+    from .test_lifecycle import _free_port
+
+    grpc_port, metrics_port = _free_port(), _free_port()
+    log = open(log_path, "w+")  # noqa: SIM115 - the server process writes it until the end
+    proc = subprocess.Popen([sys.executable, "-m", "voxserve", "serve", "--host", "127.0.0.1", "--grpc-port",
+                             str(grpc_port), "--metrics-port", str(metrics_port), *flags],
+                            cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
+    served = ServeProcess(proc, grpc_port, metrics_port)
+    try:
+        yield served
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        log.seek(0)
+        served.log = log.read()
+        print(served.log)
+        log.close()

@@ -8,8 +8,6 @@ import gc
 import os
 import re
 import signal
-import subprocess
-import sys
 import uuid
 
 import grpc
@@ -28,8 +26,8 @@ from voxserve.server.remote import RemoteRunner
 from voxserve.server.runner import BatchingConfig
 from voxserve.server.settings import Settings, validate
 
-from .conftest import REPO
-from .test_lifecycle import _free_port, _metric, _wait_for
+from .conftest import serve_process
+from .test_lifecycle import _metric, _wait_for
 
 W, B = reference_weights()
 MiB = 1 << 20
@@ -236,16 +234,10 @@ def test_frontends_setting_is_checked():
 
 
 def test_two_front_ends_and_an_engine_behind_one_port(tmp_path):
-    grpc_port, metrics_port = _free_port(), _free_port()
-    log = open(tmp_path / "server.log", "w+")  # noqa: SIM115 - the server process writes it until the end
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "voxserve", "serve", "--host", "127.0.0.1", "--grpc-port", str(grpc_port),
-         "--metrics-port", str(metrics_port), "--device", "cpu", "--frontends", "2",
-         "--frontend-arena-bytes", str(MiB), "--grace-period-s", "20"],
-        cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
-    url = f"127.0.0.1:{grpc_port}"
     rng = np.random.default_rng()
-    try:
+    with serve_process(tmp_path / "server.log", "--device", "cpu", "--frontends", "2", "--frontend-arena-bytes",
+                       str(MiB), "--grace-period-s", "20") as srv:
+        proc, url, metrics_port = srv.proc, srv.url, srv.metrics_port
         # voxserve_model_ready is the minimum over the engine and both front ends.
         _wait_for(lambda: _metric(metrics_port, "voxserve_model_ready") == 1.0, 240, "engine and front ends ready")
         clients = [Client(url, timeout_s=60) for _ in range(12)]  # 12 connections: the kernel spreads them
@@ -277,14 +269,7 @@ def test_two_front_ends_and_an_engine_behind_one_port(tmp_path):
             c.close()
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=60) == 0
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        log.seek(0)
-        text = log.read()
-        print(text)
-        log.close()
+    text = srv.log
     assert text.count("(front end of 1 engine(s))") == 2 and "engine 0 ready on cpu" in text
     admitted = [int(n) for n in re.findall(r"stopped: (\d+) requests admitted", text)]
     assert len(admitted) == 2 and min(admitted) > 0, admitted  # both front ends served (12 connections)
@@ -293,15 +278,10 @@ def test_two_front_ends_and_an_engine_behind_one_port(tmp_path):
 
 def test_children_stop_when_the_supervisor_is_killed(tmp_path):
     """SIGKILL leaves the supervisor no chance to pass anything on: the children must notice by themselves."""
-    metrics_port = _free_port()
-    log = open(tmp_path / "server.log", "w+")  # noqa: SIM115 - the server process writes it until the end
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "voxserve", "serve", "--host", "127.0.0.1", "--grpc-port", "0", "--metrics-port",
-         str(metrics_port), "--device", "cpu", "--frontends", "1"], cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
-    try:
-        _wait_for(lambda: _metric(metrics_port, "voxserve_model_ready") == 1.0, 240, "engine and front end ready")
-        log.seek(0)
-        pids = [int(p) for p in re.findall(r"\(pid (\d+)\)", log.read())]
+    with serve_process(tmp_path / "server.log", "--device", "cpu", "--frontends", "1") as srv:
+        proc = srv.proc
+        _wait_for(lambda: _metric(srv.metrics_port, "voxserve_model_ready") == 1.0, 240, "engine and front end ready")
+        pids = [int(p) for p in re.findall(r"\(pid (\d+)\)", (tmp_path / "server.log").read_text())]
         assert len(pids) == 2
         proc.kill()
         proc.wait()
@@ -314,8 +294,3 @@ def test_children_stop_when_the_supervisor_is_killed(tmp_path):
                 return True
 
         _wait_for(lambda: all(gone(p) for p in pids), 60, "the engine and the front end to exit")
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        log.close()

@@ -23,8 +23,8 @@ from voxserve.server.settings import Settings, validate
 from voxserve.server.shm import SharedMemoryRegistry
 from voxserve.server.stats import ModelStats
 
-from .conftest import REPO
-from .test_lifecycle import _free_port, _metric, _wait_for
+from .conftest import REPO, serve_process
+from .test_lifecycle import _metric, _wait_for
 
 W, B = reference_weights()
 
@@ -90,14 +90,8 @@ def test_shared_registry_is_one_registry_across_processes(tmp_path):
 
 
 def test_two_replicas_share_a_port_regions_and_metrics(tmp_path):
-    grpc_port, metrics_port = _free_port(), _free_port()
-    log = open(tmp_path / "server.log", "w+")  # noqa: SIM115 - the server process writes it until the end
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "voxserve", "serve", "--host", "127.0.0.1", "--grpc-port", str(grpc_port),
-         "--metrics-port", str(metrics_port), "--device", "cpu", "--replicas", "2", "--grace-period-s", "20"],
-        cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
-    url = f"127.0.0.1:{grpc_port}"
-    try:
+    with serve_process(tmp_path / "server.log", "--device", "cpu", "--replicas", "2", "--grace-period-s", "20") as srv:
+        proc, url, metrics_port = srv.proc, srv.url, srv.metrics_port
         # voxserve_model_ready is the minimum over live replicas: 1 once both are ready.
         _wait_for(lambda: _metric(metrics_port, "voxserve_model_ready") == 1.0, 240, "both replicas ready")
         clients = [Client(url, timeout_s=60) for _ in range(16)]  # 16 connections: the kernel spreads them
@@ -128,14 +122,7 @@ def test_two_replicas_share_a_port_regions_and_metrics(tmp_path):
 
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=60) == 0
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        log.seek(0)
-        text = log.read()
-        print(text)
-        log.close()
+    text = srv.log
     assert text.count("ready: model 'voxnet'") == 2
     # Both replicas served: the kernel spread the 16 connections (all on one replica: probability 2^-15).
     admitted = [int(n) for n in re.findall(r"stopped: (\d+) requests admitted", text)]
