@@ -38,10 +38,10 @@ SHAPE = (8, 3, 16, 32, 32)
 QUEUE = 32
 
 
-def overload(seconds: float, factor: float) -> dict:
+def overload(seconds: float, factor: float, extra: list[str]) -> dict:
     x = np.random.default_rng(1).standard_normal(SHAPE, dtype=np.float32)
     body = build_request(x, "voxnet", "FP32").SerializeToString()
-    with ServerProcess(["--device", "cpu", "--max-queue-size", str(QUEUE)]) as server:
+    with ServerProcess(["--device", "cpu", "--max-queue-size", str(QUEUE), *extra]) as server:
         idle_rss = server.rss_mb()
         capacity = asyncio.run(closed_loop(server.url, body, 16, 5.0))
         stop = threading.Event()
@@ -62,12 +62,12 @@ def overload(seconds: float, factor: float) -> dict:
             "factor": factor, "seconds": seconds}
 
 
-def drain(rounds: int) -> list[dict]:
+def drain(rounds: int, extra: list[str]) -> list[dict]:
     x = np.random.default_rng(2).standard_normal(SHAPE, dtype=np.float32)
     body = build_request(x, "voxnet", "FP32").SerializeToString()
     results = []
     for _ in range(rounds):
-        with ServerProcess(["--device", "cpu", "--grace-period-s", "30"]) as server:
+        with ServerProcess(["--device", "cpu", "--grace-period-s", "30", *extra]) as server:
             capacity = asyncio.run(closed_loop(server.url, body, 8, 2.0))
             exits: list[tuple[int, float]] = []
 
@@ -78,8 +78,9 @@ def drain(rounds: int) -> list[dict]:
 
             load = asyncio.run(open_loop(server.url, body, 0.7 * capacity.rate(), 8.0, timeout_s=60,
                                          during=terminate))
-            m = re.search(r"stopped: (\d+) requests admitted, (\d+) answered OK, (\d+) abandoned", server.log_text())
-            admitted, answered, abandoned = map(int, m.groups()) if m else (-1, -1, -1)
+            # One closing line per process that served gRPC (several with --frontends): their sums.
+            m = re.findall(r"stopped: (\d+) requests admitted, (\d+) answered OK, (\d+) abandoned", server.log_text())
+            admitted, answered, abandoned = (sum(int(g[i]) for g in m) for i in range(3)) if m else (-1, -1, -1)
             lost = admitted - (capacity.ok + load.ok) if m else None
             results.append({"load": load, "exit": exits[0][0], "exit_s": exits[0][1], "admitted": admitted,
                             "answered": answered, "abandoned": abandoned, "client_ok": capacity.ok + load.ok,
@@ -98,8 +99,8 @@ def render(args, fuzz: list[dict], ov: dict | None, drains: list[dict], elapsed_
         "# Reliability report",
         "",
         f"- date: {now}; machine: {platform.node() or 'unknown'}, {os.cpu_count()} CPUs, "
-        f"{platform.python_implementation()} {platform.python_version()}; server on the CPU in a child process, "
-        "load generator on the same machine",
+        f"{platform.python_implementation()} {platform.python_version()}; server on the CPU in a child process"
+        f"{f' with --frontends {args.frontends}' if args.frontends else ''}, load generator on the same machine",
         f"- command: `{command}`",
         f"- total time: {elapsed_s:.0f} s",
         "",
@@ -175,8 +176,11 @@ def main(argv=None) -> int:
     parser.add_argument("--overload-factor", type=float, default=4.0)
     parser.add_argument("--drains", type=int, default=3)
     parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--frontends", type=int, default=0,
+                        help="run the overload and SIGTERM parts against voxserve --frontends N")
     parser.add_argument("--out", default=str(REPO / "bench" / "results" / "reliability.md"))
     args = parser.parse_args(argv)
+    extra = ["--frontends", str(args.frontends)] if args.frontends else []
     seed = args.seed if args.seed is not None else int(time.time()) % 2**31
     t0 = time.perf_counter()
     crash_dir = Path("/tmp/voxserve-fuzz")
@@ -187,9 +191,9 @@ def main(argv=None) -> int:
     ov = None
     if args.overload_s > 0:
         print(f"overload: {args.overload_factor}x capacity for {args.overload_s} s", file=sys.stderr)
-        ov = overload(args.overload_s, args.overload_factor)
+        ov = overload(args.overload_s, args.overload_factor, extra)
     print(f"drain: {args.drains} rounds", file=sys.stderr)
-    drains = drain(args.drains)
+    drains = drain(args.drains, extra)
     text = render(args, fuzz, ov, drains, time.perf_counter() - t0)
     Path(args.out).write_text(text)
     print(text)

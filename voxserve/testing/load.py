@@ -8,6 +8,7 @@ kept, so a report can say exactly how many were answered, refused, or lost.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import socket
@@ -81,12 +82,24 @@ class ServerProcess:
             return False
         return any(line.startswith("voxserve_model_ready{") and line.endswith(" 1.0") for line in text.splitlines())
 
+    def pids(self) -> list[int]:
+        """The server's process and its descendants (a supervisor's replicas, engines and front ends)."""
+        found, todo = [], [self.proc.pid]
+        while todo:
+            pid = todo.pop()
+            found.append(pid)
+            for task in Path(f"/proc/{pid}/task").glob("*/children"):
+                with contextlib.suppress(OSError):  # exited meanwhile
+                    todo.extend(int(c) for c in task.read_text().split())
+        return found
+
     def rss_mb(self) -> float:
-        return _proc_status(self.proc.pid, "VmRSS")
+        """Resident memory of the server's processes together."""
+        return sum(_proc_status(pid, "VmRSS") for pid in self.pids())
 
     def peak_rss_mb(self) -> float:
-        """The kernel's high-water mark of the server's resident memory."""
-        return _proc_status(self.proc.pid, "VmHWM")
+        """The kernel's high-water marks of the server's processes' resident memory, added up."""
+        return sum(_proc_status(pid, "VmHWM") for pid in self.pids())
 
     def alive(self) -> bool:
         return self.proc.poll() is None
