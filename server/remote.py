@@ -74,6 +74,7 @@ class RemoteRunner:
         self.device_lost: str | None = None
         self._on_device_lost = on_device_lost or (lambda reason: None)
         self._ids = itertools.count(1)
+        self.copied_bytes = 0  # tensor bytes copied into the arena, ever (inputs already there are not copied)
         for link in self.links:
             link.task = asyncio.create_task(self._read(link))
 
@@ -130,6 +131,7 @@ class RemoteRunner:
         if offset is None:  # the one copy of a wire tensor in a front end: into the arena
             offset, keep = await self.arena.allocate(arr.nbytes)
             np.frombuffer(keep, np.uint8)[:] = np.ascontiguousarray(arr).reshape(-1).view(np.uint8)
+            self.copied_bytes += arr.nbytes
         if link.lost is not None:
             raise self.lost_error()
         req_id = next(self._ids)

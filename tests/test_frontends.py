@@ -144,6 +144,19 @@ def test_engine_serves_a_front_end_exactly_and_batches_its_requests(tmp_path):
                 assert relative_error(torch.from_numpy(r.output.copy()), _ref(rounded.numpy())) <= 1e-5
             stats = engine.stats.snapshot()
             assert stats.execution_count < len(shapes) + 2
+            # Copies in the front end: a wire tensor once into the arena; one already there (a shared-memory
+            # read lands in the arena) none.
+            x = rng.standard_normal((2, 3, 6, 6, 6), dtype=np.float32)
+            copied = runner.copied_bytes
+            await runner.run(x, "FP32")
+            assert runner.copied_bytes - copied == x.nbytes
+            in_arena = np.frombuffer(runner.arena.allocate_now(x.nbytes), np.float32).reshape(x.shape)
+            assert runner.arena.offset_of(in_arena) is not None
+            in_arena[...] = x
+            r = await runner.run(in_arena, "FP32")
+            assert runner.copied_bytes - copied == x.nbytes
+            assert relative_error(torch.from_numpy(r.output.copy()), _ref(x)) <= 1e-5
+            del in_arena
         assert runner.arena.in_use == 0  # every request's arena space came back after its reply
 
     asyncio.run(main())
