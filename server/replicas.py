@@ -86,7 +86,10 @@ def reserve_port(host: str, port: int) -> socket.socket:
 
 def replica_devices(settings: Settings, replicas: int, gpu_count: int) -> list[tuple[str, str]]:
     """(--device, --devices) for each replica: GPU i % count of --devices (or of all visible GPUs when the
-    device is auto/cuda and several are visible); otherwise every replica gets the server's own choice."""
+    device is auto/cuda and several are visible); otherwise every replica gets the server's own choice. A single
+    replica (the engine of --frontends with --replicas 1) gets them all, a runner per GPU."""
+    if replicas == 1:
+        return [(settings.device, settings.devices)]
     if settings.devices:
         indices = list(range(gpu_count)) if settings.devices == "all" else \
             [int(i) for i in settings.devices.split(",")]

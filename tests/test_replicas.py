@@ -36,6 +36,8 @@ def test_replica_devices_spread_over_the_gpus():
     assert replica_devices(Settings(), 2, 2) == [("cuda:0", ""), ("cuda:1", "")]
     assert replica_devices(Settings(), 2, 0) == [("auto", ""), ("auto", "")]
     assert replica_devices(Settings(device="cpu"), 3, 2) == [("cpu", "")] * 3
+    # One engine in front of several GPUs (--frontends with --replicas 1): a runner per GPU in that engine.
+    assert replica_devices(Settings(devices="all"), 1, 2) == [("auto", "all")]
 
 
 def test_child_environment_carries_every_setting():
