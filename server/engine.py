@@ -99,6 +99,7 @@ class Engine:
         self.hello: dict = {}
         self._connections: set[asyncio.Task] = set()
         self._lost: str | None = None
+        self._pinned: list[np.ndarray] = []  # page-locked arenas
 
     def load(self) -> None:
         """Weights, models, warm-up (blocking; before anything listens)."""
@@ -174,7 +175,10 @@ class Engine:
             if len(fds) != 1:
                 raise ConnectionError(f"the front end sent {len(fds)} descriptors with its hello, not its arena")
             try:
-                arena = mmap.mmap(fds[0], int(hello["arena_bytes"]))
+                size = int(hello["arena_bytes"])
+                if os.fstat(fds[0]).st_size < size:  # a mapping past the file's end would fault on access
+                    raise ValueError(f"the arena is {os.fstat(fds[0]).st_size} bytes, not the {size} announced")
+                arena = mmap.mmap(fds[0], size)
             finally:
                 os.close(fds[0])
             conn.settimeout(None)
@@ -211,6 +215,7 @@ class Engine:
             log.warning("engine %d: page-locking a front end's arena failed (CUDA error %d): requests are staged "
                         "through a host copy instead", self.index, int(err))
             return False
+        self._pinned.append(arena)  # never unmapped while registered
         return True
 
     async def _requests(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, arena: np.ndarray,
