@@ -36,7 +36,6 @@ import numpy as np
 from voxserve.client import Client, build_request
 from voxserve.client.bench import LevelResult, raw_sink, run_level, run_level_processes, setup_shared_memory
 from voxserve.datatypes import to_wire
-from voxserve.kernels import reference_weights
 from voxserve.testing.load import ServerProcess, free_port
 
 REPO = Path(__file__).resolve().parents[1]
@@ -47,6 +46,8 @@ SAMPLE = (3, 16, 32, 32)
 def mlserver(python: str, pythonpath: str | None, timeout_s: float = 300.0):
     """MLServer with the eager-PyTorch runtime on free ports; yields its gRPC address."""
     with tempfile.TemporaryDirectory(prefix="voxnet-mlserver-") as root:
+        from voxserve.kernels import reference_weights  # (torch: not in the load processes, which import this)
+
         w, b = reference_weights()
         model_dir = Path(root) / "voxnet"
         model_dir.mkdir()
