@@ -269,9 +269,8 @@ class _Reply:
             self.writer.write(_error_reply(self.req_id, exc, self.model_name))
             return
         result: BatchResult = future.result()
-        out = np.ascontiguousarray(result.output, dtype=np.float32)
-        self.writer.write(ipc.REPLY.pack(ipc.OK, 0, out.nbytes, self.req_id, result.queue_ns, result.batch_samples))
-        self.writer.write(out.data)
+        out = np.ascontiguousarray(result.output, dtype=np.float32).tobytes()  # N x Cout: one send with the header
+        self.writer.write(ipc.REPLY.pack(ipc.OK, 0, len(out), self.req_id, result.queue_ns, result.batch_samples) + out)
 
 
 def _error_reply(req_id: int, exc: BaseException, model_name: str) -> bytes:
