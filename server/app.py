@@ -130,17 +130,9 @@ class VoxServer:
                  f"{s.host}:{self.metrics_port}" if self.metrics_port >= 0 else "off")
         self._load_task = asyncio.create_task(self._load())
         if self._replica_dir:
-            self._publish_task = asyncio.create_task(self._publish_stats())
+            # With --replicas/--frontends: this process's statistics for the others' ModelStatistics.
+            self._publish_task = asyncio.create_task(self.state.stats.publish_every())
         return self.port
-
-    async def _publish_stats(self) -> None:
-        """With --replicas: this replica's statistics for the others' ModelStatistics, twice a second."""
-        while True:
-            try:
-                await asyncio.to_thread(self.state.stats.publish)
-            except OSError as exc:
-                log.warning("publishing statistics failed: %s", exc)
-            await asyncio.sleep(0.5)
 
     async def _load(self) -> None:
         s = self.settings

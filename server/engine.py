@@ -129,7 +129,7 @@ class Engine:
         log.info("engine %d ready on %s with %s: %s", self.index, self.hello["device"], self.hello["kernel"],
                  self.socket_path)
         accept = asyncio.create_task(self._accept(listener))
-        publish = asyncio.create_task(self._publish()) if self.stats.shared else None
+        publish = asyncio.create_task(self.stats.publish_every()) if self.stats.shared else None
         await stop.wait()
         accept.cancel()
         listener.close()
@@ -149,14 +149,6 @@ class Engine:
         # No request can be served here any more: exit, so the supervisor restarts the whole server.
         self._lost = reason
         stop.set()
-
-    async def _publish(self) -> None:
-        while True:
-            await asyncio.sleep(0.5)
-            try:
-                await asyncio.to_thread(self.stats.publish)
-            except OSError as exc:
-                log.warning("publishing statistics failed: %s", exc)
 
     async def _accept(self, listener: socket.socket) -> None:
         loop = asyncio.get_running_loop()

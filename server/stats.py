@@ -5,13 +5,17 @@ ModelStatistics with its own live figures plus the others' last published ones (
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
+import logging
 import os
 import threading
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -163,6 +167,15 @@ class ModelStats:
         with open(tmp, "w") as f:
             json.dump(dataclasses.asdict(self.snapshot()), f)
         os.replace(tmp, os.path.join(directory, name))
+
+    async def publish_every(self, interval_s: float = 0.5) -> None:
+        """Publish every ``interval_s`` until cancelled (a task of each process that shares its figures)."""
+        while True:
+            try:
+                await asyncio.to_thread(self.publish)
+            except OSError as exc:
+                log.warning("publishing statistics failed: %s", exc)
+            await asyncio.sleep(interval_s)
 
     def combined(self) -> StatsSnapshot:
         """This replica's live figures plus the other replicas' last published ones."""
