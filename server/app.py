@@ -7,7 +7,6 @@ import dataclasses
 import logging
 import os
 import signal
-import time
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -16,9 +15,9 @@ from grpc_reflection.v1alpha import reflection
 from . import security
 from . import weights as weights_io
 from .codec import ModelSpec
-from .engine import build_models, run_engine
+from .engine import build_models, load_weights, run_engine
 from .ipc import Arena
-from .metrics import LATENCY_BUCKETS_S, Metrics, parse_buckets
+from .metrics import Metrics, latency_buckets
 from .remote import RemoteRunner
 from .replicas import (
     ENGINE_SOCKET_ENV,
@@ -50,9 +49,9 @@ class VoxServer:
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
         self.state = ServingState(max_batch=settings.max_batch)
-        buckets = parse_buckets(settings.latency_buckets_s) if settings.latency_buckets_s else LATENCY_BUCKETS_S
         replica_dir = os.environ.get(REPLICA_DIR_ENV)  # one of --replicas: the supervisor serves GPU metrics
-        self.metrics = Metrics(settings.model_name, buckets, gpu_metrics=replica_dir is None)
+        self.metrics = Metrics(settings.model_name, latency_buckets(settings.latency_buckets_s),
+                               gpu_metrics=replica_dir is None)
         self.health = health.aio.HealthServicer()
         options = [
             ("grpc.max_receive_message_length", settings.max_message_bytes),
@@ -108,11 +107,8 @@ class VoxServer:
         A weights file that cannot be used raises WeightsError here, before any port is open.
         """
         s = self.settings
-        t0 = time.perf_counter()
         if not self._engines:  # (a front end's engines read the weights)
-            self._weights = await asyncio.to_thread(
-                lambda: weights_io.load(s.weights) if s.weights else weights_io.default_weights())
-            self.metrics.startup_duration.labels(s.model_name, "weights").set(time.perf_counter() - t0)
+            self._weights = await asyncio.to_thread(load_weights, s, self.metrics)
         address = f"{s.host}:{s.grpc_port}"
         if self._credentials is not None:
             self.port = self.server.add_secure_port(address, self._credentials)
@@ -136,7 +132,7 @@ class VoxServer:
 
     async def _load(self) -> None:
         s = self.settings
-        batching = BatchingConfig(s.batching, s.max_queue_delay_ms / 1e3, s.max_queue_size)
+        batching = BatchingConfig.from_settings(s)
         loop = asyncio.get_running_loop()
 
         def lost(reason: str) -> None:

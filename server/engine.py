@@ -34,7 +34,7 @@ from . import ipc
 from . import weights as weights_io
 from .batching import BatchResult
 from .errors import ServingError, runner_error
-from .metrics import LATENCY_BUCKETS_S, Metrics, parse_buckets
+from .metrics import Metrics, latency_buckets
 from .model import Model, select_devices
 from .runner import BatchingConfig, Runner
 from .settings import Settings
@@ -44,6 +44,14 @@ log = logging.getLogger("voxserve.engine")
 
 # How long after the front ends' grace period the engine waits for them to hang up before it exits anyway.
 DRAIN_MARGIN_S = 5.0
+
+
+def load_weights(settings: Settings, metrics: Metrics) -> weights_io.Weights:
+    """--weights (or the default weights), timed as the start-up phase 'weights'."""
+    t0 = time.perf_counter()
+    weights = weights_io.load(settings.weights) if settings.weights else weights_io.default_weights()
+    metrics.startup_duration.labels(settings.model_name, "weights").set(time.perf_counter() - t0)
+    return weights
 
 
 def build_models(settings: Settings, weights: weights_io.Weights, metrics: Metrics) -> list[Model]:
@@ -90,8 +98,7 @@ class Engine:
         self.settings = settings
         self.socket_path = socket_path
         self.index = index
-        buckets = parse_buckets(settings.latency_buckets_s) if settings.latency_buckets_s else LATENCY_BUCKETS_S
-        self.metrics = Metrics(settings.model_name, buckets, gpu_metrics=False)
+        self.metrics = Metrics(settings.model_name, latency_buckets(settings.latency_buckets_s), gpu_metrics=False)
         self.stats = ModelStats()
         if stats_dir:
             self.stats.share(stats_dir, f"engine-{index}")
@@ -104,10 +111,7 @@ class Engine:
     def load(self) -> None:
         """Weights, models, warm-up (blocking; before anything listens)."""
         s = self.settings
-        t0 = time.perf_counter()
-        weights = weights_io.load(s.weights) if s.weights else weights_io.default_weights()
-        self.metrics.startup_duration.labels(s.model_name, "weights").set(time.perf_counter() - t0)
-        self._models = build_models(s, weights, self.metrics)
+        self._models = build_models(s, load_weights(s, self.metrics), self.metrics)
         model = self._models[0]
         devices = ",".join(str(m.device) for m in self._models)
         self.hello = {"engine": self.index, "cin": model.cin, "cout": model.cout, "k": model.k,
@@ -118,8 +122,7 @@ class Engine:
         """Answer front ends until ``stop`` is set and they have hung up; the exit code."""
         s = self.settings
         loop = asyncio.get_running_loop()
-        batching = BatchingConfig(s.batching, s.max_queue_delay_ms / 1e3, s.max_queue_size)
-        self.runner = Runner(self._models, self.stats, self.metrics, batching,
+        self.runner = Runner(self._models, self.stats, self.metrics, BatchingConfig.from_settings(s),
                              lambda reason: loop.call_soon_threadsafe(self._device_lost, reason, stop))
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         listener.bind(self.socket_path)

@@ -33,6 +33,11 @@ def parse_buckets(text: str) -> tuple[float, ...]:
     return values
 
 
+def latency_buckets(text: str) -> tuple[float, ...]:
+    """--latency-buckets-s: its buckets, or the defaults when empty."""
+    return parse_buckets(text) if text else tuple(LATENCY_BUCKETS_S)
+
+
 class NvmlCollector(Collector):
     """GPU utilisation and memory from NVML, read when Prometheus scrapes (never on the request path)."""
 

@@ -43,6 +43,11 @@ class BatchingConfig:
     max_delay_s: float
     max_queue: int
 
+    @classmethod
+    def from_settings(cls, s) -> BatchingConfig:
+        """--batching, --max-queue-delay-ms, --max-queue-size."""
+        return cls(s.batching, s.max_queue_delay_ms / 1e3, s.max_queue_size)
+
 
 def split_executions(arrays: Sequence[np.ndarray], limit: int) -> list[list[np.ndarray]]:
     """Group request arrays (views, never copies) into executions of at most ``limit`` samples, in order."""
@@ -85,6 +90,7 @@ class Runner:
         models = [models] if isinstance(models, Model) else list(models)
         self.workers = [DeviceWorker(m) for m in models]
         self.max_batch = models[0].max_batch
+        self.batching = batching
         self.device_lost: str | None = None  # set when no device can be used any more in this process
         self._on_device_lost = on_device_lost or (lambda reason: None)
         self._stats = stats
@@ -103,11 +109,6 @@ class Runner:
     @property
     def devices(self) -> list[str]:
         return [str(w.model.device) for w in self.workers]
-
-    @property
-    def batching(self) -> BatchingConfig:
-        b = self.batcher
-        return BatchingConfig(b.enabled, b.max_delay_s, b.max_queue)
 
     def admit(self) -> None:
         """QueueFull when no further request may queue (checked before a request is decoded)."""
