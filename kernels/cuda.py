@@ -171,6 +171,8 @@ class _Library:
         lib.voxserve_plan.argtypes = [p, i, ctypes.POINTER(ll), ctypes.POINTER(ll), i, i, i, i, i,
                                       ctypes.POINTER(ctypes.c_int)]
         lib.voxserve_plan.restype = i
+        lib.voxserve_notify.argtypes = [p, i, i]
+        lib.voxserve_notify.restype = i
         self.lib = lib
         self.path = path
 
@@ -275,6 +277,14 @@ def forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, variant: 
     if rc != 0:
         raise RuntimeError(f"voxserve::fused_forward: {lib.voxserve_last_error().decode()}")
     return out
+
+
+def notify(stream: torch.cuda.Stream, fd: int) -> None:
+    """Enqueue on ``stream`` a write of 1 to the eventfd ``fd``, made once everything enqueued before it has
+    finished (a CUDA host function): an event loop watching ``fd`` learns of the end without a thread blocking."""
+    lib = library().lib
+    if lib.voxserve_notify(stream.cuda_stream, fd, stream.device.index or 0) != 0:
+        raise RuntimeError(f"voxserve_notify: {lib.voxserve_last_error().decode()}")
 
 
 PLAN_FIELDS = ("kernel", "threads", "rows", "tiles_h", "tiles_w", "chunks", "blocks_per_sample", "terms")

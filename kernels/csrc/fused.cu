@@ -34,6 +34,8 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include <unistd.h>
+
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -1460,6 +1462,14 @@ bool wg_input_ok(const void* x, int dtype, const Shape& s) {
          s.sc % 8 == 0 && s.sn % 8 == 0 && (reinterpret_cast<uintptr_t>(x) % 16) == 0;
 }
 
+// Host function of voxserve_notify: one 8-byte write, which makes an eventfd readable (async-signal-safe, no
+// CUDA call, no lock; a full counter or closed descriptor just loses the wake-up, which the caller backs up).
+void CUDART_CB write_event(void* fd) {
+  const uint64_t one = 1;
+  const ssize_t written = write(static_cast<int>(reinterpret_cast<intptr_t>(fd)), &one, sizeof one);
+  (void)written;
+}
+
 }  // namespace
 
 extern "C" {
@@ -1530,6 +1540,19 @@ int voxserve_forward(const void* x, int dtype, const long long* sizes, const lon
   const double voxels = (double)s.od * s.oh * s.ow;
   finalize_kernel<<<s.n, 32, 0, stream>>>(workspace, out, plan.blocks, cout, 1.0 / voxels);
   return check_launch("finalize_kernel");
+}
+
+// Enqueue on `stream` a write of 1 to the eventfd `fd`: it becomes readable once everything enqueued before
+// has finished, so an event loop learns of a GPU execution's end without a thread blocking on it. device: the
+// stream's CUDA device. Returns 0, or 1 with voxserve_last_error().
+int voxserve_notify(void* stream_handle, int fd, int device) {
+  g_error[0] = '\0';
+  const cudaError_t dev_err = cudaSetDevice(device);
+  if (dev_err != cudaSuccess) return fail("cudaSetDevice failed: %s", cudaGetErrorString(dev_err));
+  const cudaError_t err = cudaLaunchHostFunc(static_cast<cudaStream_t>(stream_handle), write_event,
+                                             reinterpret_cast<void*>(static_cast<intptr_t>(fd)));
+  if (err != cudaSuccess) return fail("cudaLaunchHostFunc failed: %s", cudaGetErrorString(err));
+  return 0;
 }
 
 }  // extern "C"
