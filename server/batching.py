@@ -53,14 +53,17 @@ class DynamicBatcher:
     """``execute(arrays, datatype)`` runs one batch (a list of request arrays with equal sample shapes) and
     returns its output rows in order; up to ``max_inflight`` batches run at once (a pipelined device takes
     the next batch while one computes). A batch is formed only when it can start, so under load it
-    gathers everything that queued meanwhile."""
+    gathers everything that queued meanwhile. With ``overlap_bytes``, a batch starts beside running ones
+    only once it holds that many bytes; a smaller one waits for them to finish, and grows meanwhile."""
 
     def __init__(self, execute: Callable[[list[np.ndarray], str], Awaitable[np.ndarray]], *, max_batch: int,
                  max_delay_s: float, max_queue: int, enabled: bool = True, max_inflight: int = 1,
-                 on_depth: Callable[[int], None] | None = None) -> None:
+                 overlap_bytes: int = 0, on_depth: Callable[[int], None] | None = None) -> None:
         self._execute = execute
         self._slots = asyncio.Semaphore(max_inflight)
         self._running: set[asyncio.Task] = set()
+        self._executing = 0  # batches started and not finished
+        self.overlap_bytes = overlap_bytes
         self.max_batch, self.max_delay_s, self.max_queue, self.enabled = max_batch, max_delay_s, max_queue, enabled
         self._on_depth = on_depth or (lambda depth: None)
         self._groups: OrderedDict[tuple, deque[_Item]] = OrderedDict()
@@ -138,6 +141,17 @@ class DynamicBatcher:
             except asyncio.TimeoutError:
                 return
 
+    async def _grow(self, key: tuple) -> None:
+        """While another batch executes, hold this group's batch back until it holds ``overlap_bytes`` (enough
+        that its transfers are worth overlapping with the running batch) or nothing executes any more. A
+        small batch gains nothing by starting early on a device that runs one batch at a time, and each
+        execution costs host time: waiting lets it grow instead."""
+        while self._executing and key in self._groups:
+            if sum(i.array.nbytes for i in self._groups[key]) >= self.overlap_bytes:
+                return
+            self._wake.clear()
+            await self._wake.wait()
+
     async def _loop(self) -> None:
         loop = asyncio.get_running_loop()
         while True:
@@ -147,6 +161,8 @@ class DynamicBatcher:
                 await self._wake.wait()
                 continue
             await self._slots.acquire()  # form the batch only when it can start
+            if self.enabled and self.overlap_bytes and self._executing:
+                await self._grow(key)
             if self.enabled and self.max_delay_s > 0:
                 await self._gather(key)
             if key not in self._groups:
@@ -163,6 +179,7 @@ class DynamicBatcher:
             if not runnable:
                 self._slots.release()
                 continue
+            self._executing += 1
             task = loop.create_task(self._run(key[1], runnable))
             self._running.add(task)
             task.add_done_callback(self._running.discard)
@@ -177,7 +194,9 @@ class DynamicBatcher:
                     item.future.set_exception(exc)
             return
         finally:
+            self._executing -= 1
             self._slots.release()
+            self._wake.set()  # a batch held back for growth may start now
         samples = sum(i.samples for i in items)
         offset = 0
         for item in items:

@@ -153,6 +153,68 @@ def test_delay_gathers_a_batch_without_load():
     assert asyncio.run(_with_batcher(go, max_delay_s=5.0)) == [8]
 
 
+def test_small_batches_wait_for_the_running_one_and_large_ones_overlap_it():
+    sample = _x(1, 1.0).nbytes
+
+    async def go():
+        started: list[int] = []
+        release = asyncio.Event()
+
+        async def execute(arrays, datatype):
+            started.append(sum(a.shape[0] for a in arrays))
+            await release.wait()
+            batch = np.concatenate(arrays)
+            return batch.reshape(batch.shape[0], -1).sum(axis=1, keepdims=True)
+
+        batcher = DynamicBatcher(execute, max_batch=64, max_delay_s=0.0, max_queue=64, max_inflight=3,
+                                 overlap_bytes=8 * sample)
+        try:
+            first = asyncio.ensure_future(batcher.submit(_x(1, 1.0), "FP32"))
+            await asyncio.sleep(0.01)
+            small = [asyncio.ensure_future(batcher.submit(_x(1, 2.0), "FP32")) for _ in range(3)]
+            await asyncio.sleep(0.01)
+            held_back = list(started)  # 3 samples < overlap_bytes: they wait for the running batch
+            large = asyncio.ensure_future(batcher.submit(_x(5, 3.0), "FP32"))
+            await asyncio.sleep(0.01)
+            overlapped = list(started)  # 3 + 5 samples reach overlap_bytes: one batch starts beside the first
+            release.set()
+            results = await asyncio.gather(first, *small, large)
+        finally:
+            release.set()
+            await batcher.close()
+        return held_back, overlapped, started, results
+
+    held_back, overlapped, started, results = asyncio.run(go())
+    assert held_back == [1] and overlapped == [1, 8] and started == [1, 8]
+    assert [r.output.shape[0] for r in results] == [1, 1, 1, 1, 5]
+    assert all(np.all(r.output == v * 3 * 64) for r, v in zip(results, (1, 2, 2, 2, 3), strict=True))
+
+
+def test_small_batches_pipeline_without_overlap_bytes_and_when_unbatched():
+    async def go(**options):
+        started: list[int] = []
+        release = asyncio.Event()
+
+        async def execute(arrays, datatype):
+            started.append(sum(a.shape[0] for a in arrays))
+            await release.wait()
+            return np.concatenate(arrays).reshape(-1, 192).sum(axis=1, keepdims=True)
+
+        batcher = DynamicBatcher(execute, max_batch=64, max_delay_s=0.0, max_queue=64, max_inflight=3, **options)
+        tasks = [asyncio.ensure_future(batcher.submit(_x(1, 1.0), "FP32"))]
+        await asyncio.sleep(0.01)
+        tasks += [asyncio.ensure_future(batcher.submit(_x(1, 1.0), "FP32")) for _ in range(2)]
+        await asyncio.sleep(0.01)
+        seen = list(started)
+        release.set()
+        await asyncio.gather(*tasks)
+        await batcher.close()
+        return seen
+
+    assert asyncio.run(go()) == [1, 2]  # no overlap_bytes: the next batch starts beside the first
+    assert asyncio.run(go(overlap_bytes=1 << 30, enabled=False)) == [1, 1, 1]  # unbatched: each starts at once
+
+
 @pytest.mark.parametrize("batching", [True, False])
 def test_server_results_batched_and_unbatched_match_float64(rng, batching):
     w, b = reference_weights()
