@@ -123,7 +123,8 @@ class Engine:
         s = self.settings
         loop = asyncio.get_running_loop()
         self.runner = Runner(self._models, self.stats, self.metrics, BatchingConfig.from_settings(s),
-                             lambda reason: loop.call_soon_threadsafe(self._device_lost, reason, stop))
+                             lambda reason: loop.call_soon_threadsafe(self._device_lost, reason, stop),
+                             enqueue_on_loop=True)
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         listener.bind(self.socket_path)
         listener.listen(64)

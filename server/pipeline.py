@@ -8,21 +8,26 @@ For each execution (at most max_batch samples):
                   --(3: DMA of N x Cout floats, compute stream)--> pinned output of the slot
 
 ``submit`` does the host copy and enqueues the rest without waiting; ``wait`` blocks on the execution's
-last event and returns its output. With ``depth`` slots, the host copy and DMA of batch i+1 run while
+last event and returns its output, or, on an event loop, a CompletionWatcher is woken when the execution
+has finished and ``finish`` returns it. With ``depth`` slots, the host copy and DMA of batch i+1 run while
 batch i computes and batch i-1's output comes back. Copy 1 is the only one of the input on the host:
 the request's bytes are viewed, not copied, up to here (``np.frombuffer`` over protobuf's bytes; where
 protobuf materialises ``raw_input_contents`` as a Python bytes object, that is protobuf's own copy at
 parse time). Where the batcher used to concatenate a batch, the staging copy now does it.
 
-An input already in pinned memory (a shared-memory input: the server reads client segments into pinned
-buffers, see ``pinned_buffer``) skips copy 1 when it is a batch of its own: the DMA reads it in place, so
-the one copy of such a tensor on the host is the one out of the client's segment.
+Inputs already in page-locked memory (a shared-memory input: the server reads client segments into pinned
+buffers, see ``pinned_buffer``; a front end's arena, which the engine of --frontends registers) skip copy 1
+when every request of the batch is: the DMAs read them in place.
 
 Every time in the returned ExecutionTimes comes from CUDA events, except the host copy's.
 """
 
 from __future__ import annotations
 
+import asyncio
+import collections
+import contextlib
+import os
 import queue
 import threading
 import time
@@ -31,6 +36,8 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+
+from voxserve.kernels import cuda as fused_cuda
 
 _TORCH_WIRE = {"FP32": torch.float32, "FP16": torch.float16, "BF16": torch.bfloat16}
 
@@ -95,6 +102,7 @@ class Pending:
     host_copy_ns: int
     events: tuple[torch.cuda.Event, ...]  # h2d start, h2d end, compute start, compute end, d2h end
     source: list[torch.Tensor] | None = None  # pinned request buffers the DMA reads in place: alive until done
+    released: bool = False  # its slot is back in the free list
 
 
 class CudaPipeline:
@@ -107,14 +115,33 @@ class CudaPipeline:
         for _ in range(depth):
             self._free.put(_Slot(self.device))
         self.depth = depth
+        # Written (by a CUDA host function) when an execution submitted with notify=True finishes. Open for the
+        # pipeline's life: a host function still queued must never write into a descriptor number reused since.
+        self.completion_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
         self.staged_bytes = 0  # host bytes copied into staging, ever (the copy-count tests read it)
         self.direct_bytes = 0  # bytes sent to the GPU straight from pinned request buffers, ever
         self._lock = threading.Lock()
 
-    def submit(self, arrays: list[np.ndarray], datatype: str) -> Pending:
-        """Stage ``arrays`` (same sample shape, wire-typed) as one batch and enqueue its execution.
+    @staticmethod
+    def _sources(arrays: list[np.ndarray]) -> list[torch.Tensor]:
+        """The arrays' bytes as flat uint8 tensors (views, not copies)."""
+        with warnings.catch_warnings():  # request bytes are read-only; they are only read here
+            warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+            return [torch.from_numpy(np.ascontiguousarray(a).reshape(-1).view(np.uint8)) for a in arrays]
 
-        Blocks only while all ``depth`` slots are in flight."""
+    def host_copy_bytes(self, arrays: list[np.ndarray]) -> int:
+        """The bytes ``submit`` would copy on the host for ``arrays``: none when they are all page-locked (the
+        GPU reads them in place)."""
+        if all(src.is_pinned() for src in self._sources(arrays)):
+            return 0
+        return sum(a.nbytes for a in arrays)
+
+    def submit(self, arrays: list[np.ndarray], datatype: str, wait_for_slot: bool = True,
+               notify: bool = False) -> Pending | None:
+        """Stage ``arrays`` (same sample shape, wire-typed) as one batch and enqueue its execution; with
+        ``notify``, ``completion_fd`` becomes readable when it has finished (see CompletionWatcher).
+
+        Blocks while all ``depth`` slots are in flight; with ``wait_for_slot=False`` returns None instead."""
         samples = sum(int(a.shape[0]) for a in arrays)
         nbytes = sum(a.nbytes for a in arrays)
         graphs = self.model.graphs
@@ -122,15 +149,14 @@ class CudaPipeline:
         padded_bytes = nbytes // samples * padded
         shape = (padded, *arrays[0].shape[1:])
         cout = self.model.cout
-        slot = self._free.get()
+        try:
+            slot = self._free.get(block=wait_for_slot)
+        except queue.Empty:
+            return None
         try:
             slot.reserve(padded_bytes, padded * cout)
             t0 = time.perf_counter_ns()
-            sources = []
-            for a in arrays:
-                with warnings.catch_warnings():  # request bytes are read-only; they are only read here
-                    warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
-                    sources.append(torch.from_numpy(np.ascontiguousarray(a).reshape(-1).view(np.uint8)))
+            sources = self._sources(arrays)
             # Sources already in page-locked memory (shared-memory inputs; a front end's arena, which the engine
             # registers) go to the GPU in place, one DMA each; otherwise they are merged into the slot's staging.
             direct = sources if all(src.is_pinned() for src in sources) else None
@@ -170,6 +196,8 @@ class CudaPipeline:
                 end.record()
                 slot.out[: samples * cout].view(samples, cout).copy_(y[:samples], non_blocking=True)  # 3: N x Cout
                 done.record()
+                if notify:
+                    fused_cuda.notify(self.compute_stream, self.completion_fd)
         except BaseException:
             self._free.put(slot)
             raise
@@ -177,9 +205,17 @@ class CudaPipeline:
 
     def wait(self, pending: Pending) -> tuple[np.ndarray, int, int, int]:
         """Block until ``pending`` finished; (output (N, Cout) float32, input ns, compute ns, output ns)."""
+        try:
+            pending.events[-1].synchronize()
+        except BaseException:
+            self.release(pending)
+            raise
+        return self.finish(pending)
+
+    def finish(self, pending: Pending) -> tuple[np.ndarray, int, int, int]:
+        """Once ``pending`` has finished: ``wait``'s result, and the slot back for the next execution."""
         h2d_start, h2d_end, start, end, done = pending.events
         try:
-            done.synchronize()
             pending.source = None
             out = pending.slot.out[: pending.samples * pending.cout].numpy().reshape(pending.samples, pending.cout)
             out = out.copy()  # the slot is reused as soon as it is released
@@ -187,16 +223,81 @@ class CudaPipeline:
             infer_ns = int(start.elapsed_time(end) * 1e6)
             output_ns = int(end.elapsed_time(done) * 1e6)
         finally:
-            self._free.put(pending.slot)
+            self.release(pending)
         return out, input_ns, infer_ns, output_ns
+
+    def release(self, pending: Pending) -> None:
+        """Return ``pending``'s slot (once; after a failed wait too)."""
+        if not pending.released:
+            pending.released = True
+            self._free.put(pending.slot)
 
     def reset(self) -> None:
         """After a fault: wait for the streams, drop the staging memory (it is re-reserved on demand)."""
         for stream in (self.copy_stream, self.compute_stream):
             stream.synchronize()
         drained = 0
-        while not self._free.empty():  # slots in flight come back through wait() and keep their memory
+        while not self._free.empty():  # slots in flight come back through finish() and keep their memory
             self._free.get_nowait()
             drained += 1
         for _ in range(drained):
             self._free.put(_Slot(self.device))
+
+
+class CompletionWatcher:
+    """Executions in flight on one pipeline, each resolved on the event loop as it finishes.
+
+    The pipeline's host function makes ``completion_fd`` readable after each execution submitted with
+    ``notify=True``; the loop then checks the oldest executions' last events (one stream: they finish in order)
+    and resolves their futures. No thread waits for the GPU, so none has to take the interpreter lock back
+    from a busy loop to report an end (on a busy engine that hand-back cost milliseconds per execution). A slow
+    poll backs the wake-ups up, so an execution whose host function never runs (a failed context) still ends,
+    with the error its event reports."""
+
+    POLL_S = 0.05
+
+    def __init__(self, pipeline: CudaPipeline, loop: asyncio.AbstractEventLoop) -> None:
+        self.pipeline = pipeline
+        self.loop = loop
+        self._inflight: collections.deque[tuple[Pending, asyncio.Future]] = collections.deque()
+        self._poll: asyncio.TimerHandle | None = None
+        loop.add_reader(pipeline.completion_fd, self._wake)
+
+    def done(self, pending: Pending) -> asyncio.Future:
+        """A future that is set once ``pending`` (submitted with notify=True, after every earlier one) finished."""
+        future = self.loop.create_future()
+        self._inflight.append((pending, future))
+        if self._poll is None:
+            self._poll = self.loop.call_later(self.POLL_S, self._backstop)
+        return future
+
+    def _wake(self) -> None:
+        with contextlib.suppress(BlockingIOError):  # another wake-up read it first
+            os.eventfd_read(self.pipeline.completion_fd)
+        self._check()
+
+    def _backstop(self) -> None:
+        self._poll = None
+        self._check()
+        if self._inflight:
+            self._poll = self.loop.call_later(self.POLL_S, self._backstop)
+
+    def _check(self) -> None:
+        while self._inflight:
+            pending, future = self._inflight[0]
+            try:
+                if not pending.events[-1].query():
+                    return
+            except Exception as exc:  # the device failed: this execution's error
+                self._inflight.popleft()
+                if not future.done():
+                    future.set_exception(exc)
+                continue
+            self._inflight.popleft()
+            if not future.done():
+                future.set_result(None)
+
+    def close(self) -> None:
+        self.loop.remove_reader(self.pipeline.completion_fd)
+        if self._poll is not None:
+            self._poll.cancel()

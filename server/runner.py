@@ -1,10 +1,12 @@
 """The runner: a dynamic batcher in front of one worker per device, so the event loop never blocks on
 compute, concurrent small requests share executions, and on GPUs consecutive batches overlap.
 
-Each device has a worker: the model on that device, one thread that stages and enqueues executions
-(ordered, so streams see them in order) and, on a GPU, one thread that waits for them to finish. A
-batch goes to the worker with the fewest executions in flight; with several GPUs that spreads the
-load by queue depth. A batch larger than max_batch samples runs as several executions, pipelined.
+Each device has a worker: the model on that device and one thread that stages and enqueues executions
+(ordered, so streams see them in order; on a GPU small ones may be enqueued on the event loop instead).
+On a GPU no thread waits for an execution: a CUDA host function wakes the event loop when one has finished
+(pipeline.CompletionWatcher). A batch goes to the worker with the fewest executions in flight; with several
+GPUs that spreads the load by queue depth. A batch larger than max_batch samples runs as several
+executions, pipelined.
 """
 
 from __future__ import annotations
@@ -23,12 +25,15 @@ from .batching import BatchResult, DynamicBatcher
 from .errors import ServingError
 from .metrics import Metrics
 from .model import ExecutionTimes, Model
+from .pipeline import CompletionWatcher
 from .stats import ModelStats
 
 log = logging.getLogger(__name__)
 
-# GPU batches up to this size run start to finish in one hop to the worker thread (see Runner._execute).
-INLINE_BYTES = 2 * 1024 * 1024
+# GPU executions with at most this many bytes to copy on the host may be enqueued on the event loop itself
+# (Runner._execute_gpu); and while a batch executes, the next starts beside it only from this size on
+# (DynamicBatcher's overlap_bytes): smaller ones gain nothing from overlapping and wait, growing meanwhile.
+INLINE_BYTES = 4 * 1024 * 1024  # = pipeline.PARALLEL_COPY_BYTES: what the loop copies is one memcpy
 
 
 def is_out_of_memory(exc: BaseException) -> bool:
@@ -73,22 +78,32 @@ class DeviceWorker:
     def __init__(self, model: Model) -> None:
         self.model = model
         self.submitter = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"submit-{model.device}")
-        self.waiter = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"wait-{model.device}") \
-            if model.pipeline is not None else None
         self.inflight = 0  # executions submitted and not finished
+        self.submitting = 0  # executions handed to the submit thread and not yet enqueued (event loop only)
         self.lost: str | None = None  # why this device cannot be used any more
+        self._watcher: CompletionWatcher | None = None
+
+    def watcher(self) -> CompletionWatcher:
+        """The GPU's completion watcher on the running event loop."""
+        loop = asyncio.get_running_loop()
+        if self._watcher is None or self._watcher.loop is not loop:
+            if self._watcher is not None and not self._watcher.loop.is_closed():
+                self._watcher.close()
+            self._watcher = CompletionWatcher(self.model.pipeline, loop)
+        return self._watcher
 
     def shutdown(self) -> None:
         self.submitter.shutdown(wait=True)
-        if self.waiter is not None:
-            self.waiter.shutdown(wait=True)
+        if self._watcher is not None and not self._watcher.loop.is_closed():
+            self._watcher.close()
 
 
 class Runner:
     def __init__(self, models: Model | Sequence[Model], stats: ModelStats, metrics: Metrics, batching: BatchingConfig,
-                 on_device_lost: Callable[[str], None] | None = None) -> None:
+                 on_device_lost: Callable[[str], None] | None = None, enqueue_on_loop: bool = False) -> None:
         models = [models] if isinstance(models, Model) else list(models)
         self.workers = [DeviceWorker(m) for m in models]
+        self.enqueue_on_loop = enqueue_on_loop  # see _execute_gpu
         self.max_batch = models[0].max_batch
         self.batching = batching
         self.device_lost: str | None = None  # set when no device can be used any more in this process
@@ -99,7 +114,9 @@ class Runner:
         depth_gauge = metrics.queue_depth.labels(metrics.model)
         self.batcher = DynamicBatcher(self._execute, max_batch=self.max_batch, max_delay_s=batching.max_delay_s,
                                       max_queue=batching.max_queue, enabled=batching.enabled,
-                                      max_inflight=depth * len(self.workers), on_depth=depth_gauge.set)
+                                      max_inflight=depth * len(self.workers),
+                                      overlap_bytes=INLINE_BYTES if models[0].pipeline is not None else 0,
+                                      on_depth=depth_gauge.set)
 
     @property
     def model(self) -> Model:
@@ -136,10 +153,10 @@ class Runner:
             raise self.lost_error()
         worker = min(live, key=lambda w: w.inflight)
         executions = split_executions(arrays, self.max_batch)
-        loop = asyncio.get_running_loop()
-        if worker.waiter is None or sum(a.nbytes for a in arrays) <= INLINE_BYTES:
-            # One execution after another, each in one hop to the worker thread: the CPU, and small GPU
-            # batches, for which a second hop would cost more latency than overlapping their transfers saves.
+        if worker.model.pipeline is not None:
+            outputs = await self._execute_gpu(worker, executions, datatype)
+        else:  # the CPU: one execution after another, each start to finish on the worker thread
+            loop = asyncio.get_running_loop()
             outputs = []
             for ex in executions:
                 worker.inflight += 1
@@ -147,25 +164,49 @@ class Runner:
                     outputs.append(await loop.run_in_executor(worker.submitter, self._run_sync, worker, ex, datatype))
                 finally:
                     worker.inflight -= 1
-        else:  # GPU: submit each execution without waiting; a second thread collects them in order
-            waits: list[asyncio.Future] = []
-            failure: BaseException | None = None
-            for ex in executions:
-                worker.inflight += 1
-                try:
-                    pending = await loop.run_in_executor(worker.submitter, self._submit, worker, ex, datatype)
-                except BaseException as exc:
-                    worker.inflight -= 1
-                    failure = exc
-                    break
-                waits.append(loop.run_in_executor(worker.waiter, self._collect, worker, pending))
-            results = await asyncio.gather(*waits, return_exceptions=True)
-            worker.inflight -= len(waits)
-            errors = [r for r in results if isinstance(r, BaseException)]
-            if failure is not None or errors:
-                raise failure if failure is not None else errors[0]
-            outputs = results
         return outputs[0] if len(outputs) == 1 else np.concatenate(outputs)
+
+    async def _execute_gpu(self, worker: DeviceWorker, executions: list[list[np.ndarray]],
+                           datatype: str) -> list[np.ndarray]:
+        """Enqueue each execution without waiting for the one before, then collect them in order. No thread
+        waits for the GPU: the pipeline's completion watcher wakes this loop when an execution has finished.
+
+        Enqueueing is a few dozen CUDA calls, each of which lets go of the interpreter lock and takes it back;
+        on a worker thread each taking-back waits for the event loop to let go in turn. With
+        ``enqueue_on_loop`` (the engine of --frontends, whose loop does nothing but batch) an execution with
+        little host work (page-locked sources, which are only DMA'd, or a host copy of at most INLINE_BYTES)
+        is enqueued right here: on a busy engine a batch whose GPU time was 0.2 ms took 3-6 ms to execute
+        from the thread (bench/results/frontends-h100-80gb-hbm3.md). A loop that also terminates gRPC keeps
+        the submit thread: there the loop is the bottleneck, and enqueueing on it halved batch-1 throughput.
+        Large host copies always go to the thread, and while one does, the next executions follow it there:
+        one thread at a time enqueues, in order (CUDA graphs' input buffers are shared)."""
+        loop = asyncio.get_running_loop()
+        pipeline = worker.model.pipeline
+        waits: list[asyncio.Future] = []
+        failure: BaseException | None = None
+        for ex in executions:
+            worker.inflight += 1
+            try:
+                pending = None
+                if self.enqueue_on_loop and worker.submitting == 0 and pipeline.host_copy_bytes(ex) <= INLINE_BYTES:
+                    pending = self._submit(worker, ex, datatype, wait_for_slot=False)  # None: no free slot now
+                if pending is None:
+                    worker.submitting += 1
+                    try:
+                        pending = await loop.run_in_executor(worker.submitter, self._submit, worker, ex, datatype)
+                    finally:
+                        worker.submitting -= 1
+            except BaseException as exc:
+                worker.inflight -= 1
+                failure = exc
+                break
+            waits.append(asyncio.ensure_future(self._collect(worker, pending)))
+        results = await asyncio.gather(*waits, return_exceptions=True)
+        worker.inflight -= len(waits)
+        errors = [r for r in results if isinstance(r, BaseException)]
+        if failure is not None or errors:
+            raise failure if failure is not None else errors[0]
+        return results
 
     def _run_sync(self, worker: DeviceWorker, arrays: list[np.ndarray], datatype: str) -> np.ndarray:
         """One execution, start to finish, on the worker thread (Model.run_arrays: the pipeline on a GPU)."""
@@ -178,18 +219,21 @@ class Runner:
         self._record(int(y.shape[0]), times)
         return y
 
-    def _submit(self, worker: DeviceWorker, arrays: list[np.ndarray], datatype: str):
+    def _submit(self, worker: DeviceWorker, arrays: list[np.ndarray], datatype: str, wait_for_slot: bool = True):
         if worker.lost is not None:
             raise self.lost_error()
         try:
-            return worker.model.pipeline.submit(arrays, datatype)
+            return worker.model.pipeline.submit(arrays, datatype, wait_for_slot, notify=True)
         except Exception as exc:
             raise self._fault(worker, exc, arrays) from None
 
-    def _collect(self, worker: DeviceWorker, pending) -> np.ndarray:
+    async def _collect(self, worker: DeviceWorker, pending) -> np.ndarray:
+        pipeline = worker.model.pipeline
         try:
-            y, input_ns, infer_ns, output_ns = worker.model.pipeline.wait(pending)
+            await worker.watcher().done(pending)
+            y, input_ns, infer_ns, output_ns = pipeline.finish(pending)
         except Exception as exc:
+            pipeline.release(pending)
             raise self._fault(worker, exc, None, pending.samples) from None
         self._record(int(y.shape[0]), ExecutionTimes(input_ns, infer_ns, output_ns))
         return y

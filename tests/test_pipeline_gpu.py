@@ -119,10 +119,10 @@ def test_concurrent_batches_overlap_and_stay_correct():
     real_submit = model.pipeline.submit
     lock = threading.Lock()
 
-    def submit(arrays, datatype):
+    def submit(arrays, datatype, *args, **kwargs):
         with lock:
             inflight_seen.append(runner.workers[0].inflight)
-        return real_submit(arrays, datatype)
+        return real_submit(arrays, datatype, *args, **kwargs)
 
     model.pipeline.submit = submit
     rng = np.random.default_rng()
@@ -170,9 +170,9 @@ def test_two_gpus_share_the_work():
     for m in models:
         real = m.pipeline.submit
 
-        def submit(arrays, datatype, real=real, device=m.device):
+        def submit(arrays, datatype, *args, real=real, device=m.device, **kwargs):
             used.append(str(device))
-            return real(arrays, datatype)
+            return real(arrays, datatype, *args, **kwargs)
 
         m.pipeline.submit = submit
     rng = np.random.default_rng()
@@ -194,3 +194,33 @@ def test_small_batches_share_padded_graphs():
         assert relative_error(torch.from_numpy(y), _ref(x, "FP32", model)) <= FP32_TOL
     shapes = {key[0][0] for key in model.graphs._graphs}
     assert shapes <= set(GRAPH_BUCKETS) and len(model.graphs) <= 4, shapes  # buckets 2, 4, 8, 16 at most
+
+
+def test_completion_watcher_ends_executions_in_order_without_a_waiting_thread():
+    from voxserve.server.pipeline import CompletionWatcher
+
+    model = _model()
+    pipeline = model.pipeline
+    rng = np.random.default_rng()
+    xs = [rng.standard_normal((n, 3, 16, 32, 32), dtype=np.float32) for n in (1, 7, 2)]
+
+    async def go():
+        watcher = CompletionWatcher(pipeline, asyncio.get_running_loop())
+        try:
+            threads = threading.active_count()
+            pending = [pipeline.submit([x], "FP32", notify=True) for x in xs]
+            await asyncio.wait_for(asyncio.gather(*(watcher.done(p) for p in pending)), 30)
+            assert threading.active_count() == threads  # the loop was woken; no thread waited on the GPU
+            outputs = [pipeline.finish(p)[0] for p in pending]
+            # No host-function wake-up (notify=False): the watcher's poll still ends the execution.
+            quiet = pipeline.submit([xs[0]], "FP32")
+            await asyncio.wait_for(watcher.done(quiet), 30)
+            outputs.append(pipeline.finish(quiet)[0])
+        finally:
+            watcher.close()
+        return outputs
+
+    outputs = asyncio.run(go())
+    for x, y in zip([*xs, xs[0]], outputs, strict=True):
+        assert relative_error(torch.from_numpy(y), _ref(x, "FP32", model)) <= FP32_TOL
+    assert pipeline._free.qsize() == pipeline.depth  # every slot came back
