@@ -267,7 +267,8 @@ class CompletionWatcher:
         """A future that is set once ``pending`` (submitted with notify=True, after every earlier one) finished."""
         future = self.loop.create_future()
         self._inflight.append((pending, future))
-        if self._poll is None:
+        self._check()  # it may have finished, and its wake-up been read, before it was handed over
+        if self._inflight and self._poll is None:
             self._poll = self.loop.call_later(self.POLL_S, self._backstop)
         return future
 

@@ -212,6 +212,12 @@ def test_completion_watcher_ends_executions_in_order_without_a_waiting_thread():
             await asyncio.wait_for(asyncio.gather(*(watcher.done(p) for p in pending)), 30)
             assert threading.active_count() == threads  # the loop was woken; no thread waited on the GPU
             outputs = [pipeline.finish(p)[0] for p in pending]
+            # Finished, and its wake-up read, before it was handed to the watcher: done at once, not at the poll.
+            early = pipeline.submit([xs[1]], "FP32", notify=True)
+            early.events[-1].synchronize()
+            await asyncio.sleep(0.01)  # the loop reads the wake-up while nothing is registered
+            assert watcher.done(early).done()
+            outputs.append(pipeline.finish(early)[0])
             # No host-function wake-up (notify=False): the watcher's poll still ends the execution.
             quiet = pipeline.submit([xs[0]], "FP32")
             await asyncio.wait_for(watcher.done(quiet), 30)
@@ -221,6 +227,6 @@ def test_completion_watcher_ends_executions_in_order_without_a_waiting_thread():
         return outputs
 
     outputs = asyncio.run(go())
-    for x, y in zip([*xs, xs[0]], outputs, strict=True):
+    for x, y in zip([*xs, xs[1], xs[0]], outputs, strict=True):
         assert relative_error(torch.from_numpy(y), _ref(x, "FP32", model)) <= FP32_TOL
     assert pipeline._free.qsize() == pipeline.depth  # every slot came back
