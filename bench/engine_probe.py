@@ -1,0 +1,109 @@
+"""The cost of one small request between a front end and the engine (``--frontends``), without gRPC.
+
+An engine runs in a child process on the CPU; this process is a front end's runner (RemoteRunner) keeping
+``--concurrency`` requests of a tiny sample in flight (compute is negligible), so what is measured is the
+IPC hop: records, arena, batcher, replies. Reported: requests/s and the CPU time per request of the engine
+process and of this (the front end's) process, from /proc.
+
+    python bench/engine_probe.py [--concurrency 8,64] [--seconds 5] [--out bench/results/engine-probe-<machine>.md]
+
+Each concurrency runs with batching on and off, each against a fresh engine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import multiprocessing
+import os
+import signal
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+SHAPE = (1, 3, 3, 3, 3)
+
+
+def cpu_seconds(pid: int) -> float:
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+
+
+def engine_main(path: str, batching: bool) -> None:
+    from voxserve.server.engine import run_engine
+    from voxserve.server.settings import Settings
+
+    run_engine(Settings(device="cpu", batching=batching, log_level="WARNING"), path, 0, None, lambda: None)
+
+
+async def drive(path: str, engine_pid: int, concurrency: int, seconds: float, batching: bool) -> dict:
+    from voxserve.server.ipc import Arena
+    from voxserve.server.remote import RemoteRunner
+    from voxserve.server.runner import BatchingConfig
+
+    runner = await RemoteRunner.connect([path], Arena(64 << 20), 0, BatchingConfig(batching, 0.0, 4096))
+    x = np.random.default_rng().standard_normal(SHAPE, dtype=np.float32)
+    done = 0
+    samples = 0
+
+    async def worker(stop_at: float) -> None:
+        nonlocal done, samples
+        while time.perf_counter() < stop_at:
+            r = await runner.run(x, "FP32")
+            done += 1
+            samples += r.batch_samples
+
+    await asyncio.gather(*(worker(time.perf_counter() + 0.5) for _ in range(concurrency)))  # warm
+    done = samples = 0
+    e0, f0, t0 = cpu_seconds(engine_pid), time.process_time(), time.perf_counter()
+    await asyncio.gather(*(worker(t0 + seconds) for _ in range(concurrency)))
+    wall = time.perf_counter() - t0
+    e1, f1 = cpu_seconds(engine_pid), time.process_time()
+    await runner.close()
+    return {"req_s": done / wall, "engine_us": (e1 - e0) / done * 1e6, "frontend_us": (f1 - f0) / done * 1e6,
+            "mean_batch": samples / done}
+
+
+def probe(concurrency: int, seconds: float, batching: bool) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "engine.sock")
+        proc = multiprocessing.get_context("spawn").Process(target=engine_main, args=(path, batching))
+        proc.start()
+        try:
+            return asyncio.run(drive(path, proc.pid, concurrency, seconds, batching))
+        finally:
+            os.kill(proc.pid, signal.SIGTERM)
+            proc.join(30)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--concurrency", type=lambda t: [int(v) for v in t.split(",")], default=[8, 64])
+    ap.add_argument("--seconds", type=float, default=5.0)
+    ap.add_argument("--out", default=None, help="also write the table here (markdown)")
+    args = ap.parse_args()
+    rows = ["| concurrency | batching | req/s | mean batch | engine CPU us/request | front end CPU us/request |",
+            "|---:|---|---:|---:|---:|---:|"]
+    for c in args.concurrency:
+        for batching in (True, False):
+            r = probe(c, args.seconds, batching)
+            rows.append(f"| {c} | {'on' if batching else 'off'} | {r['req_s']:.0f} | {r['mean_batch']:.1f} | "
+                        f"{r['engine_us']:.0f} | {r['frontend_us']:.0f} |")
+            print(rows[-1], flush=True)
+    if args.out:
+        when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+        Path(args.out).write_text(
+            f"# Engine probe: the front end to engine hop without gRPC (CPU engine)\n\n"
+            f"- date: {when}; {os.cpu_count()} CPU cores, Python {sys.version.split()[0]}\n"
+            f"- command: `python bench/engine_probe.py {' '.join(sys.argv[1:])}`\n"
+            f"- request: {SHAPE} FP32 (compute is negligible); {args.seconds:g} s per row\n\n" + "\n".join(rows) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
