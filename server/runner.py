@@ -209,7 +209,7 @@ class Runner:
         return results
 
     def _run_sync(self, worker: DeviceWorker, arrays: list[np.ndarray], datatype: str) -> np.ndarray:
-        """One execution, start to finish, on the worker thread (Model.run_arrays: the pipeline on a GPU)."""
+        """One CPU execution, start to finish, on the worker thread."""
         if worker.lost is not None:
             raise self.lost_error()
         try:
