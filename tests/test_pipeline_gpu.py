@@ -111,10 +111,11 @@ def test_shared_memory_inputs_are_read_into_pinned_memory():
         assert relative_error(torch.from_numpy(y), _ref(x, "FP32", model)) <= FP32_TOL
 
 
-def test_concurrent_batches_overlap_and_stay_correct():
+@pytest.mark.parametrize("enqueue_on_loop", [False, True])
+def test_concurrent_batches_overlap_and_stay_correct(enqueue_on_loop):
     model = _model(max_batch=16)
     metrics = Metrics("voxnet", gpu_metrics=False)
-    runner = Runner(model, ModelStats(), metrics, BatchingConfig(True, 0.0, 4096))
+    runner = Runner(model, ModelStats(), metrics, BatchingConfig(True, 0.0, 4096), enqueue_on_loop=enqueue_on_loop)
     inflight_seen = []
     real_submit = model.pipeline.submit
     lock = threading.Lock()
