@@ -154,11 +154,19 @@ def build(archs: tuple[str, ...] | None = None, out_dir: Path | None = None, for
     return BuildResult(target, archs, seconds, proc.stderr)
 
 
+ENTRY_POINTS = ("voxserve_last_error", "voxserve_is_specialised", "voxserve_workspace_floats", "voxserve_forward",
+                "voxserve_plan", "voxserve_notify")
+
+
 class _Library:
     """The loaded shared library with typed entry points."""
 
     def __init__(self, path: Path) -> None:
         lib = ctypes.CDLL(str(path))
+        missing = [name for name in ENTRY_POINTS if not hasattr(lib, name)]
+        if missing:
+            raise KernelBuildError(f"{path} lacks {', '.join(missing)}: it was built from an older source; "
+                                   f"rebuild it (voxserve kernel build) or unset VOXSERVE_KERNEL_LIBRARY")
         ll, i, p, f = ctypes.c_longlong, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p
         lib.voxserve_last_error.restype = ctypes.c_char_p
         lib.voxserve_is_specialised.argtypes = [i, i, i]

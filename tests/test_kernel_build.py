@@ -78,3 +78,14 @@ def test_prebuilt_library_path_must_exist(monkeypatch, tmp_path):
     monkeypatch.setenv("VOXSERVE_KERNEL_LIBRARY", str(tmp_path / "missing.so"))
     with pytest.raises(cuda_kernels.KernelBuildError, match="does not exist"):
         cuda_kernels.library()
+
+
+def test_prebuilt_library_of_an_older_source_is_refused_by_name(monkeypatch):
+    with open("/proc/self/maps") as maps:  # any shared library without the entry points: this process's libc
+        libc = next((line.split()[-1] for line in maps if "/libc.so" in line or "/libc-" in line), None)
+    if libc is None:
+        pytest.skip("no libc path in /proc/self/maps")
+    monkeypatch.setattr(cuda_kernels, "_library", None)
+    monkeypatch.setenv("VOXSERVE_KERNEL_LIBRARY", libc)
+    with pytest.raises(cuda_kernels.KernelBuildError, match=r"lacks voxserve_last_error.*notify.*older source"):
+        cuda_kernels.library()
