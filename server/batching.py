@@ -53,17 +53,19 @@ class DynamicBatcher:
     """``execute(arrays, datatype)`` runs one batch (a list of request arrays with equal sample shapes) and
     returns its output rows in order; up to ``max_inflight`` batches run at once (a pipelined device takes
     the next batch while one computes). A batch is formed only when it can start, so under load it
-    gathers everything that queued meanwhile. With ``overlap_bytes``, a batch starts beside running ones
-    only once it holds that many bytes; a smaller one waits for them to finish, and grows meanwhile."""
+    gathers everything that queued meanwhile. With ``overlap_bytes``, once ``devices`` batches run, a further
+    batch starts beside them only when it holds that many bytes; a smaller one waits for one of them to
+    finish, and grows meanwhile."""
 
     def __init__(self, execute: Callable[[list[np.ndarray], str], Awaitable[np.ndarray]], *, max_batch: int,
                  max_delay_s: float, max_queue: int, enabled: bool = True, max_inflight: int = 1,
-                 overlap_bytes: int = 0, on_depth: Callable[[int], None] | None = None) -> None:
+                 overlap_bytes: int = 0, devices: int = 1, on_depth: Callable[[int], None] | None = None) -> None:
         self._execute = execute
         self._slots = asyncio.Semaphore(max_inflight)
         self._running: set[asyncio.Task] = set()
         self._executing = 0  # batches started and not finished
         self.overlap_bytes = overlap_bytes
+        self.devices = devices  # batches that run side by side without overlapping on one device
         self.max_batch, self.max_delay_s, self.max_queue, self.enabled = max_batch, max_delay_s, max_queue, enabled
         self._on_depth = on_depth or (lambda depth: None)
         self._groups: OrderedDict[tuple, deque[_Item]] = OrderedDict()
@@ -142,11 +144,11 @@ class DynamicBatcher:
                 return
 
     async def _grow(self, key: tuple) -> None:
-        """While another batch executes, hold this group's batch back until it holds ``overlap_bytes`` (enough
-        that its transfers are worth overlapping with the running batch) or nothing executes any more. A
-        small batch gains nothing by starting early on a device that runs one batch at a time, and each
-        execution costs host time: waiting lets it grow instead."""
-        while self._executing and key in self._groups:
+        """While every device executes a batch, hold this group's batch back until it holds ``overlap_bytes``
+        (enough that its transfers are worth overlapping with a running batch) or a device is free. A small
+        batch gains nothing by starting early on a device that runs one batch at a time, and each execution
+        costs host time: waiting lets it grow instead."""
+        while self._executing >= self.devices and key in self._groups:
             if sum(i.array.nbytes for i in self._groups[key]) >= self.overlap_bytes:
                 return
             self._wake.clear()
@@ -161,7 +163,7 @@ class DynamicBatcher:
                 await self._wake.wait()
                 continue
             await self._slots.acquire()  # form the batch only when it can start
-            if self.enabled and self.overlap_bytes and self._executing:
+            if self.enabled and self.overlap_bytes and self._executing >= self.devices:
                 await self._grow(key)
             if self.enabled and self.max_delay_s > 0:
                 await self._gather(key)

@@ -116,6 +116,7 @@ class Runner:
                                       max_queue=batching.max_queue, enabled=batching.enabled,
                                       max_inflight=depth * len(self.workers),
                                       overlap_bytes=INLINE_BYTES if models[0].pipeline is not None else 0,
+                                      devices=len(self.workers),
                                       on_depth=depth_gauge.set)
 
     @property

@@ -190,7 +190,7 @@ def test_small_batches_wait_for_the_running_one_and_large_ones_overlap_it():
     assert all(np.all(r.output == v * 3 * 64) for r, v in zip(results, (1, 2, 2, 2, 3), strict=True))
 
 
-def test_small_batches_pipeline_without_overlap_bytes_and_when_unbatched():
+def test_small_batches_start_at_once_without_overlap_bytes_unbatched_or_on_a_free_device():
     async def go(**options):
         started: list[int] = []
         release = asyncio.Event()
@@ -213,6 +213,8 @@ def test_small_batches_pipeline_without_overlap_bytes_and_when_unbatched():
 
     assert asyncio.run(go()) == [1, 2]  # no overlap_bytes: the next batch starts beside the first
     assert asyncio.run(go(overlap_bytes=1 << 30, enabled=False)) == [1, 1, 1]  # unbatched: each starts at once
+    assert asyncio.run(go(overlap_bytes=1 << 30, devices=2)) == [1, 2]  # the second device takes the next batch
+    assert asyncio.run(go(overlap_bytes=1 << 30)) == [1]  # one device, busy: the two wait and grow
 
 
 @pytest.mark.parametrize("batching", [True, False])
