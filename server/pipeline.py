@@ -129,21 +129,22 @@ class CudaPipeline:
             warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
             return [torch.from_numpy(np.ascontiguousarray(a).reshape(-1).view(np.uint8)) for a in arrays]
 
-    def host_copy_bytes(self, arrays: list[np.ndarray]) -> int:
-        """The bytes ``submit`` would copy on the host for ``arrays``: none when they are all page-locked (the
-        GPU reads them in place)."""
-        if all(src.is_pinned() for src in self._sources(arrays)):
-            return 0
-        return sum(a.nbytes for a in arrays)
-
-    def submit(self, arrays: list[np.ndarray], datatype: str, wait_for_slot: bool = True,
-               notify: bool = False) -> Pending | None:
+    def submit(self, arrays: list[np.ndarray], datatype: str, wait_for_slot: bool = True, notify: bool = False,
+               max_host_copy: int | None = None) -> Pending | None:
         """Stage ``arrays`` (same sample shape, wire-typed) as one batch and enqueue its execution; with
         ``notify``, ``completion_fd`` becomes readable when it has finished (see CompletionWatcher).
 
-        Blocks while all ``depth`` slots are in flight; with ``wait_for_slot=False`` returns None instead."""
+        Blocks while all ``depth`` slots are in flight; with ``wait_for_slot=False`` returns None instead. With
+        ``max_host_copy``, returns None (nothing enqueued) when the batch would copy more bytes than that on
+        the host (page-locked sources copy none)."""
         samples = sum(int(a.shape[0]) for a in arrays)
         nbytes = sum(a.nbytes for a in arrays)
+        sources = self._sources(arrays)
+        # Sources already in page-locked memory (shared-memory inputs; a front end's arena, which the engine
+        # registers) go to the GPU in place, one DMA each; otherwise they are merged into the slot's staging.
+        direct = sources if all(src.is_pinned() for src in sources) else None
+        if direct is None and max_host_copy is not None and nbytes > max_host_copy:
+            return None
         graphs = self.model.graphs
         padded = graph_bucket(samples, nbytes // samples, graphs.max_input_bytes) if graphs is not None else samples
         padded_bytes = nbytes // samples * padded
@@ -156,10 +157,6 @@ class CudaPipeline:
         try:
             slot.reserve(padded_bytes, padded * cout)
             t0 = time.perf_counter_ns()
-            sources = self._sources(arrays)
-            # Sources already in page-locked memory (shared-memory inputs; a front end's arena, which the engine
-            # registers) go to the GPU in place, one DMA each; otherwise they are merged into the slot's staging.
-            direct = sources if all(src.is_pinned() for src in sources) else None
             if direct is None:
                 offset = 0
                 for src in sources:  # copy 1: into pinned memory

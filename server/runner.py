@@ -25,7 +25,7 @@ from .batching import BatchResult, DynamicBatcher
 from .errors import ServingError
 from .metrics import Metrics
 from .model import ExecutionTimes, Model
-from .pipeline import CompletionWatcher
+from .pipeline import PARALLEL_COPY_BYTES, CompletionWatcher
 from .stats import ModelStats
 
 log = logging.getLogger(__name__)
@@ -33,7 +33,7 @@ log = logging.getLogger(__name__)
 # GPU executions with at most this many bytes to copy on the host may be enqueued on the event loop itself
 # (Runner._execute_gpu); and while a batch executes, the next starts beside it only from this size on
 # (DynamicBatcher's overlap_bytes): smaller ones gain nothing from overlapping and wait, growing meanwhile.
-INLINE_BYTES = 4 * 1024 * 1024  # = pipeline.PARALLEL_COPY_BYTES: what the loop copies is one memcpy
+INLINE_BYTES = PARALLEL_COPY_BYTES  # what the loop copies is one memcpy
 
 
 def is_out_of_memory(exc: BaseException) -> bool:
@@ -182,15 +182,15 @@ class Runner:
         Large host copies always go to the thread, and while one does, the next executions follow it there:
         one thread at a time enqueues, in order (CUDA graphs' input buffers are shared)."""
         loop = asyncio.get_running_loop()
-        pipeline = worker.model.pipeline
         waits: list[asyncio.Future] = []
         failure: BaseException | None = None
         for ex in executions:
             worker.inflight += 1
             try:
                 pending = None
-                if self.enqueue_on_loop and worker.submitting == 0 and pipeline.host_copy_bytes(ex) <= INLINE_BYTES:
-                    pending = self._submit(worker, ex, datatype, wait_for_slot=False)  # None: no free slot now
+                if self.enqueue_on_loop and worker.submitting == 0:
+                    # None: no free slot now, or more than INLINE_BYTES to copy on the host
+                    pending = self._submit(worker, ex, datatype, wait_for_slot=False, max_host_copy=INLINE_BYTES)
                 if pending is None:
                     worker.submitting += 1
                     try:
@@ -220,11 +220,13 @@ class Runner:
         self._record(int(y.shape[0]), times)
         return y
 
-    def _submit(self, worker: DeviceWorker, arrays: list[np.ndarray], datatype: str, wait_for_slot: bool = True):
+    def _submit(self, worker: DeviceWorker, arrays: list[np.ndarray], datatype: str, wait_for_slot: bool = True,
+                max_host_copy: int | None = None):
         if worker.lost is not None:
             raise self.lost_error()
         try:
-            return worker.model.pipeline.submit(arrays, datatype, wait_for_slot, notify=True)
+            return worker.model.pipeline.submit(arrays, datatype, wait_for_slot, notify=True,
+                                                max_host_copy=max_host_copy)
         except Exception as exc:
             raise self._fault(worker, exc, arrays) from None
 
