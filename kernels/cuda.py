@@ -22,6 +22,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from .ops import _fused_forward_op, check_precision
@@ -155,7 +156,7 @@ def build(archs: tuple[str, ...] | None = None, out_dir: Path | None = None, for
 
 
 ENTRY_POINTS = ("voxserve_last_error", "voxserve_is_specialised", "voxserve_workspace_floats", "voxserve_forward",
-                "voxserve_plan", "voxserve_notify")
+                "voxserve_plan", "voxserve_notify", "voxserve_copy_spans")
 
 
 class _Library:
@@ -181,6 +182,8 @@ class _Library:
         lib.voxserve_plan.restype = i
         lib.voxserve_notify.argtypes = [p, i, i]
         lib.voxserve_notify.restype = i
+        lib.voxserve_copy_spans.argtypes = [p, p, i, p, i]
+        lib.voxserve_copy_spans.restype = i
         self.lib = lib
         self.path = path
 
@@ -293,6 +296,19 @@ def notify(stream: torch.cuda.Stream, fd: int) -> None:
     lib = library().lib
     if lib.voxserve_notify(stream.cuda_stream, fd, stream.device.index or 0) != 0:
         raise RuntimeError(f"voxserve_notify: {lib.voxserve_last_error().decode()}")
+
+
+def copy_spans(dst: torch.Tensor, spans: np.ndarray, stream: torch.cuda.Stream) -> None:
+    """Enqueue on ``stream`` the copy of host spans (an (n, 2) int64 array of address, bytes) one after another
+    into ``dst`` (contiguous device memory of at least their total size): a batch's requests gathered straight
+    from page-locked memory, in one call however many there are (spans back to back go as one copy)."""
+    spans = np.ascontiguousarray(spans, dtype=np.int64)
+    if dst.nbytes < int(spans[:, 1].sum()):
+        raise ValueError(f"the spans hold {int(spans[:, 1].sum())} bytes, more than the {dst.nbytes} of dst")
+    lib = library().lib
+    if lib.voxserve_copy_spans(dst.data_ptr(), spans.ctypes.data, len(spans), stream.cuda_stream,
+                               stream.device.index or 0) != 0:
+        raise RuntimeError(f"voxserve_copy_spans: {lib.voxserve_last_error().decode()}")
 
 
 PLAN_FIELDS = ("kernel", "threads", "rows", "tiles_h", "tiles_w", "chunks", "blocks_per_sample", "terms")

@@ -99,7 +99,7 @@ class VoxServer:
 
     def _count_rejection(self, method: str) -> None:
         if method.endswith(("/ModelInfer", "/ModelStreamInfer")):
-            self.metrics.requests.labels(self.settings.model_name, grpc.StatusCode.UNAUTHENTICATED.name).inc()
+            self.metrics.count_request(grpc.StatusCode.UNAUTHENTICATED.name)
 
     async def start(self) -> int:
         """Read the weights, bind the ports, start serving (not ready yet) and begin building the model.

@@ -17,7 +17,7 @@ import contextlib
 import time
 from collections import OrderedDict, deque
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -30,16 +30,17 @@ class DeadlineExceeded(Exception):
     """The request's deadline passed before it could run."""
 
 
-@dataclass
 class _Item:
-    array: np.ndarray
-    deadline: float | None  # loop.time() by which the answer is due
-    future: asyncio.Future
-    arrived_ns: int = field(default_factory=time.perf_counter_ns)
+    """One queued request (a plain class with slots: one is made per request, on the hot path)."""
 
-    @property
-    def samples(self) -> int:
-        return int(self.array.shape[0])
+    __slots__ = ("array", "arrived_ns", "deadline", "future", "samples")
+
+    def __init__(self, array: np.ndarray, deadline: float | None, future: asyncio.Future) -> None:
+        self.array = array
+        self.deadline = deadline  # loop.time() by which the answer is due
+        self.future = future
+        self.arrived_ns = time.perf_counter_ns()
+        self.samples = int(array.shape[0])
 
 
 @dataclass(frozen=True)
@@ -55,11 +56,13 @@ class DynamicBatcher:
     the next batch while one computes). A batch is formed only when it can start, so under load it
     gathers everything that queued meanwhile. With ``overlap_bytes``, once ``devices`` batches run, a further
     batch starts beside them only when it holds that many bytes; a smaller one waits for one of them to
-    finish, and grows meanwhile."""
+    finish, and grows meanwhile. ``on_depth(requests waiting)`` is called once per event-loop iteration in
+    which the depth changed; ``on_queued(ns)`` with each answered request's wait from arrival to execution."""
 
     def __init__(self, execute: Callable[[list[np.ndarray], str], Awaitable[np.ndarray]], *, max_batch: int,
                  max_delay_s: float, max_queue: int, enabled: bool = True, max_inflight: int = 1,
-                 overlap_bytes: int = 0, devices: int = 1, on_depth: Callable[[int], None] | None = None) -> None:
+                 overlap_bytes: int = 0, devices: int = 1, on_depth: Callable[[int], None] | None = None,
+                 on_queued: Callable[[int], None] | None = None) -> None:
         self._execute = execute
         self._slots = asyncio.Semaphore(max_inflight)
         self._running: set[asyncio.Task] = set()
@@ -68,6 +71,8 @@ class DynamicBatcher:
         self.devices = devices  # batches that run side by side without overlapping on one device
         self.max_batch, self.max_delay_s, self.max_queue, self.enabled = max_batch, max_delay_s, max_queue, enabled
         self._on_depth = on_depth or (lambda depth: None)
+        self._depth_due = False
+        self._on_queued = on_queued or (lambda queue_ns: None)
         self._groups: OrderedDict[tuple, deque[_Item]] = OrderedDict()
         self._queued = 0
         self._wake = asyncio.Event()
@@ -97,9 +102,19 @@ class DynamicBatcher:
         item = _Item(array, None if timeout_s is None else loop.time() + timeout_s, loop.create_future())
         self._groups.setdefault((array.shape[1:], datatype), deque()).append(item)
         self._queued += 1
-        self._on_depth(self._queued)
+        self._depth_changed(loop)
         self._wake.set()
         return item.future
+
+    def _depth_changed(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Report the queue depth once per loop iteration, however many requests arrived in it."""
+        if not self._depth_due:
+            self._depth_due = True
+            loop.call_soon(self._publish_depth)
+
+    def _publish_depth(self) -> None:
+        self._depth_due = False
+        self._on_depth(self._queued)
 
     def _next_group(self) -> tuple | None:
         """The group whose head request arrived first."""
@@ -124,7 +139,7 @@ class DynamicBatcher:
                 break
         if not queue:
             del self._groups[key]
-        self._on_depth(self._queued)
+        self._depth_changed(asyncio.get_running_loop())
         return taken
 
     async def _gather(self, key: tuple) -> None:
@@ -206,6 +221,7 @@ class DynamicBatcher:
             offset += item.samples
             if not item.future.done():
                 item.future.set_result(BatchResult(rows, started - item.arrived_ns, samples))
+                self._on_queued(started - item.arrived_ns)
 
     async def close(self) -> None:
         if self._running:

@@ -30,7 +30,7 @@ from collections.abc import Callable
 import grpc
 import numpy as np
 
-from . import ipc
+from . import ipc, pipeline
 from . import weights as weights_io
 from .batching import BatchResult
 from .errors import ServingError, runner_error
@@ -212,61 +212,72 @@ class Engine:
                         "through a host copy instead", self.index, int(err))
             return False
         self._pinned.append(arena)  # never unmapped while registered
+        pipeline.register_page_locked(arena.ctypes.data, arena.nbytes)
         return True
 
     async def _requests(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, arena: np.ndarray,
                         pending: dict[int, asyncio.Future]) -> None:
-        runner = self.runner
-        model_name = self.settings.model_name
+        """Read request records as they come (every whole one in a read at once) until the front end hangs up."""
+        outbox = ipc.Outbox(writer)
         size = ipc.REQUEST.size
+        buffer = b""
         while True:
             try:
-                record = await reader.readexactly(size)
-            except (asyncio.IncompleteReadError, ConnectionError):
+                data = await reader.read(1 << 16)
+            except ConnectionError:
                 return
-            kind, dtype, req_id, offset, nbytes, deadline, *shape = ipc.REQUEST.unpack(record)
-            if kind == ipc.CANCEL:
-                future = pending.get(req_id)
-                if future is not None:
-                    future.cancel()
-                continue
-            try:
-                datatype = ipc.DATATYPES[dtype]
-                count = math.prod(shape)
-                if kind != ipc.INFER or count * ipc.ITEMSIZE[datatype] != nbytes or offset + nbytes > len(arena):
-                    raise ServingError(grpc.StatusCode.INTERNAL, f"malformed request record {kind, shape, nbytes}")
-                array = arena[offset : offset + nbytes].view(ipc.WIRE_DTYPES[datatype]).reshape(shape)
-                future = runner.enqueue(array, datatype, ipc.timeout_of(deadline))
-            except Exception as exc:
-                writer.write(_error_reply(req_id, exc, model_name))
-                continue
-            pending[req_id] = future
-            future.add_done_callback(_Reply(writer, pending, req_id, model_name))
+            if not data:
+                return
+            buffer = buffer + data if buffer else data
+            whole = len(buffer) - len(buffer) % size
+            for record in ipc.REQUEST.iter_unpack(memoryview(buffer)[:whole]):
+                self._request(record, arena, pending, outbox)
+            buffer = buffer[whole:]
+
+    def _request(self, record: tuple, arena: np.ndarray, pending: dict[int, asyncio.Future],
+                 outbox: ipc.Outbox) -> None:
+        kind, dtype, req_id, offset, nbytes, deadline, *shape = record
+        if kind == ipc.CANCEL:
+            future = pending.get(req_id)
+            if future is not None:
+                future.cancel()
+            return
+        model_name = self.settings.model_name
+        try:
+            datatype = ipc.DATATYPES[dtype]
+            count = math.prod(shape)
+            if kind != ipc.INFER or count * ipc.ITEMSIZE[datatype] != nbytes or offset + nbytes > len(arena):
+                raise ServingError(grpc.StatusCode.INTERNAL, f"malformed request record {kind, shape, nbytes}")
+            array = arena[offset : offset + nbytes].view(ipc.WIRE_DTYPES[datatype]).reshape(shape)
+            future = self.runner.enqueue(array, datatype, ipc.timeout_of(deadline))
+        except Exception as exc:
+            outbox.put(_error_reply(req_id, exc, model_name))
+            return
+        pending[req_id] = future
+        future.add_done_callback(_Reply(outbox, pending, req_id, model_name))
 
 
 class _Reply:
     """The done-callback of one request's future: its reply record."""
 
-    __slots__ = ("model_name", "pending", "req_id", "writer")
+    __slots__ = ("model_name", "outbox", "pending", "req_id")
 
-    def __init__(self, writer: asyncio.StreamWriter, pending: dict, req_id: int, model_name: str) -> None:
-        self.writer, self.pending, self.req_id, self.model_name = writer, pending, req_id, model_name
+    def __init__(self, outbox: ipc.Outbox, pending: dict, req_id: int, model_name: str) -> None:
+        self.outbox, self.pending, self.req_id, self.model_name = outbox, pending, req_id, model_name
 
     def __call__(self, future: asyncio.Future) -> None:
         self.pending.pop(self.req_id, None)
-        if self.writer.is_closing():
-            return
         if future.cancelled():
-            self.writer.write(_error_reply(self.req_id, ServingError(grpc.StatusCode.CANCELLED, "cancelled"),
-                                           self.model_name))
+            self.outbox.put(_error_reply(self.req_id, ServingError(grpc.StatusCode.CANCELLED, "cancelled"),
+                                         self.model_name))
             return
         exc = future.exception()
         if exc is not None:
-            self.writer.write(_error_reply(self.req_id, exc, self.model_name))
+            self.outbox.put(_error_reply(self.req_id, exc, self.model_name))
             return
         result: BatchResult = future.result()
-        out = np.ascontiguousarray(result.output, dtype=np.float32).tobytes()  # N x Cout: one send with the header
-        self.writer.write(ipc.REPLY.pack(ipc.OK, 0, len(out), self.req_id, result.queue_ns, result.batch_samples) + out)
+        out = np.ascontiguousarray(result.output, dtype=np.float32).tobytes()  # N x Cout: sent with the header
+        self.outbox.put(ipc.REPLY.pack(ipc.OK, 0, len(out), self.req_id, result.queue_ns, result.batch_samples) + out)
 
 
 def _error_reply(req_id: int, exc: BaseException, model_name: str) -> bytes:

@@ -133,6 +133,43 @@ class Arena:
         os.close(self.fd)  # the mapping stays until the last block is gone
 
 
+class Outbox:
+    """Records for one peer, sent together once per event-loop iteration: the replies to a batch's requests
+    (or the records of the requests a front end took in one iteration) go in one write and one system call,
+    and the peer reads them in one wake-up. Nothing waits longer than the iteration in progress."""
+
+    __slots__ = ("_loop", "_parts", "_writer")
+
+    def __init__(self, writer: asyncio.StreamWriter) -> None:
+        self._writer = writer
+        self._loop = asyncio.get_running_loop()
+        self._parts: list[bytes] = []
+
+    def put(self, record: bytes) -> None:
+        if not self._parts:
+            self._loop.call_soon(self._flush)
+        self._parts.append(record)
+
+    def _flush(self) -> None:
+        data = b"".join(self._parts)
+        self._parts.clear()
+        if not self._writer.is_closing():
+            self._writer.write(data)
+
+
+def replies(buffer: bytearray) -> tuple[list[tuple[tuple, bytes]], int]:
+    """The whole reply records at the start of ``buffer``: [(header, payload)], and the bytes they span."""
+    out, pos, size = [], 0, REPLY.size
+    while len(buffer) - pos >= size:
+        header = REPLY.unpack_from(buffer, pos)
+        end = pos + size + header[2]
+        if end > len(buffer):
+            break
+        out.append((header, bytes(buffer[pos + size : end])))
+        pos = end
+    return out, pos
+
+
 def deadline_of(timeout_s: float | None) -> float:
     return float("nan") if timeout_s is None else time.monotonic() + timeout_s
 

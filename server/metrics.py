@@ -9,6 +9,7 @@ from __future__ import annotations
 import itertools
 import logging
 from collections.abc import Sequence
+from typing import NamedTuple
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 from prometheus_client.core import GaugeMetricFamily
@@ -77,6 +78,18 @@ class NvmlCollector(Collector):
         yield from (util, used, total)
 
 
+class ModelSeries(NamedTuple):
+    """The one-model series of the metrics each request or execution updates."""
+
+    request_duration: Histogram
+    queue_duration: Histogram
+    compute_duration: Histogram
+    batch_size: Histogram
+    samples: Counter
+    input_bytes: Counter
+    inflight: Gauge
+
+
 class Metrics:
     def __init__(self, model: str, latency_buckets_s: Sequence[float] = LATENCY_BUCKETS_S,
                  gpu_metrics: bool = True) -> None:
@@ -117,11 +130,24 @@ class Metrics:
                                 ["version", "device", "kernel"], registry=r, multiprocess_mode="livemax")
         for gauge in (self.inflight, self.queue_depth, self.model_ready):
             gauge.labels(model).set(0)
+        # The model's series of the per-request metrics, looked up once: labels() takes a lock and builds a key
+        # on every call, several times per request.
+        self.series = ModelSeries(*(metric.labels(model) for metric in (
+            self.request_duration, self.queue_duration, self.compute_duration, self.batch_size, self.samples,
+            self.input_bytes, self.inflight)))
+        self._requests_by_code: dict[str, object] = {}
         for reason in ("out_of_memory", "device_error"):  # present from the start, so rates and alerts see 0
             self.execution_failures.labels(model, reason)
         self.gpu_collector = NvmlCollector.create() if gpu_metrics else None
         if self.gpu_collector is not None:
             r.register(self.gpu_collector)
+
+    def count_request(self, code: str) -> None:
+        """voxserve_requests{model, code} += 1."""
+        series = self._requests_by_code.get(code)
+        if series is None:
+            series = self._requests_by_code[code] = self.requests.labels(self.model, code)
+        series.inc()
 
     def set_build(self, device: str, kernel: str) -> None:
         self.build_info.labels(__version__, device, kernel).set(1)

@@ -25,6 +25,7 @@ Every time in the returned ExecutionTimes comes from CUDA events, except the hos
 from __future__ import annotations
 
 import asyncio
+import bisect
 import collections
 import contextlib
 import os
@@ -49,6 +50,26 @@ GRAPH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 
 # Host copies from this size on use torch's multi-threaded copy; smaller ones a single memcpy.
 PARALLEL_COPY_BYTES = 4 * 1024 * 1024
+
+
+# Long-lived page-locked host ranges, (start, end) sorted by start, replaced whole on a change (readers on
+# other threads see one version or the other).
+_LOCKED: tuple[tuple[int, int], ...] = ()
+_locked_lock = threading.Lock()
+
+
+def register_page_locked(address: int, nbytes: int) -> None:
+    """Note that [address, address + nbytes) stays page-locked for the life of the process (memory registered
+    with cudaHostRegister and never unregistered), so submit need not ask CUDA for each source in it."""
+    global _LOCKED
+    with _locked_lock:
+        _LOCKED = tuple(sorted((*_LOCKED, (address, address + nbytes))))
+
+
+def _registered(address: int, nbytes: int) -> bool:
+    locked = _LOCKED
+    i = bisect.bisect_right(locked, (address, float("inf"))) - 1
+    return i >= 0 and locked[i][1] >= address + nbytes
 
 
 def pinned_buffer(nbytes: int) -> memoryview:
@@ -101,7 +122,7 @@ class Pending:
     cout: int
     host_copy_ns: int
     events: tuple[torch.cuda.Event, ...]  # h2d start, h2d end, compute start, compute end, d2h end
-    source: list[torch.Tensor] | None = None  # pinned request buffers the DMA reads in place: alive until done
+    source: list[np.ndarray] | None = None  # page-locked request arrays the DMA reads in place: alive until done
     released: bool = False  # its slot is back in the free list
 
 
@@ -129,6 +150,22 @@ class CudaPipeline:
             warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
             return [torch.from_numpy(np.ascontiguousarray(a).reshape(-1).view(np.uint8)) for a in arrays]
 
+    def _page_locked_spans(self, arrays: list[np.ndarray]) -> np.ndarray | None:
+        """(address, bytes) of each array when every one lies in page-locked memory, else None.
+
+        Addresses in a range registered with register_page_locked (a front end's arena in the engine) are
+        known at the cost of a search; others are asked of CUDA, through torch, which costs more (this runs
+        once per request of every batch)."""
+        spans = []
+        for a in arrays:
+            if not a.flags.c_contiguous:
+                return None
+            address = a.__array_interface__["data"][0]
+            if not (_registered(address, a.nbytes) or self._sources([a])[0].is_pinned()):
+                return None
+            spans.append((address, a.nbytes))
+        return np.array(spans, dtype=np.int64).reshape(-1, 2)
+
     def submit(self, arrays: list[np.ndarray], datatype: str, wait_for_slot: bool = True, notify: bool = False,
                max_host_copy: int | None = None) -> Pending | None:
         """Stage ``arrays`` (same sample shape, wire-typed) as one batch and enqueue its execution; with
@@ -139,10 +176,10 @@ class CudaPipeline:
         the host (page-locked sources copy none)."""
         samples = sum(int(a.shape[0]) for a in arrays)
         nbytes = sum(a.nbytes for a in arrays)
-        sources = self._sources(arrays)
         # Sources already in page-locked memory (shared-memory inputs; a front end's arena, which the engine
-        # registers) go to the GPU in place, one DMA each; otherwise they are merged into the slot's staging.
-        direct = sources if all(src.is_pinned() for src in sources) else None
+        # registers) go to the GPU in place, gathered by one call; otherwise they are merged into the slot's
+        # staging.
+        direct = self._page_locked_spans(arrays)
         if direct is None and max_host_copy is not None and nbytes > max_host_copy:
             return None
         graphs = self.model.graphs
@@ -159,7 +196,7 @@ class CudaPipeline:
             t0 = time.perf_counter_ns()
             if direct is None:
                 offset = 0
-                for src in sources:  # copy 1: into pinned memory
+                for src in self._sources(arrays):  # copy 1: into pinned memory
                     if src.numel() >= PARALLEL_COPY_BYTES:  # torch's copy is multi-threaded for large tensors
                         slot.host[offset : offset + src.numel()].copy_(src)
                     else:  # one memcpy: cheaper than waking a thread pool on a busy machine
@@ -178,10 +215,7 @@ class CudaPipeline:
                 if direct is None:
                     slot.dev[:nbytes].copy_(slot.host[:nbytes], non_blocking=True)  # copy 2
                 else:
-                    offset = 0
-                    for src in direct:
-                        slot.dev[offset : offset + src.numel()].copy_(src, non_blocking=True)
-                        offset += src.numel()
+                    fused_cuda.copy_spans(slot.dev, direct, self.copy_stream)
                 if padded_bytes > nbytes:
                     slot.dev[nbytes:padded_bytes].zero_()
                 h2d_end.record()
@@ -198,7 +232,7 @@ class CudaPipeline:
         except BaseException:
             self._free.put(slot)
             raise
-        return Pending(slot, samples, cout, host_copy_ns, events, direct)
+        return Pending(slot, samples, cout, host_copy_ns, events, arrays if direct is not None else None)
 
     def wait(self, pending: Pending) -> tuple[np.ndarray, int, int, int]:
         """Block until ``pending`` finished; (output (N, Cout) float32, input ns, compute ns, output ns)."""

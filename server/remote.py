@@ -38,6 +38,10 @@ class EngineLink:
     pending: dict[int, tuple[asyncio.Future, object]] = field(default_factory=dict)  # id -> (future, its bytes)
     lost: str | None = None
     task: asyncio.Task | None = None
+    outbox: ipc.Outbox = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.outbox = ipc.Outbox(self.writer)
 
 
 async def connect_engine(path: str, arena: ipc.Arena, frontend: int, retry_s: float = 0.2) -> EngineLink:
@@ -137,27 +141,30 @@ class RemoteRunner:
         req_id = next(self._ids)
         future = asyncio.get_running_loop().create_future()
         link.pending[req_id] = (future, keep)  # keeps the bytes reserved until the engine's reply
-        link.writer.write(ipc.REQUEST.pack(ipc.INFER, ipc.DATATYPES.index(datatype), req_id, offset, arr.nbytes,
-                                           ipc.deadline_of(timeout_s), *arr.shape))
+        link.outbox.put(ipc.REQUEST.pack(ipc.INFER, ipc.DATATYPES.index(datatype), req_id, offset, arr.nbytes,
+                                         ipc.deadline_of(timeout_s), *arr.shape))
         try:
             return await future
         except asyncio.CancelledError:
-            if link.lost is None and not link.writer.is_closing():
-                link.writer.write(ipc.REQUEST.pack(ipc.CANCEL, 0, req_id, 0, 0, float("nan"), 0, 0, 0, 0, 0))
+            if link.lost is None:
+                link.outbox.put(ipc.REQUEST.pack(ipc.CANCEL, 0, req_id, 0, 0, float("nan"), 0, 0, 0, 0, 0))
             raise
         finally:
             keep = arr = None  # an error's traceback keeps this frame: only the pending entry may hold the bytes
 
     async def _read(self, link: EngineLink) -> None:
-        reader, size = link.reader, ipc.REPLY.size
+        reader = link.reader
         reason = "it closed the connection"
+        buffer = bytearray()
         try:
-            while True:
-                header = ipc.REPLY.unpack(await reader.readexactly(size))
-                self._deliver(link, header, await reader.readexactly(header[2]) if header[2] else b"")
-        except (asyncio.IncompleteReadError, ConnectionError) as exc:
-            if not isinstance(exc, asyncio.IncompleteReadError):
-                reason = f"{type(exc).__name__}: {exc}"
+            while data := await reader.read(1 << 16):  # every whole reply of a read at once
+                buffer += data
+                replies, used = ipc.replies(buffer)
+                del buffer[:used]
+                for header, payload in replies:
+                    self._deliver(link, header, payload)
+        except ConnectionError as exc:
+            reason = f"{type(exc).__name__}: {exc}"
         except asyncio.CancelledError:
             reason = "this front end is closing"
             raise

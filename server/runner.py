@@ -117,7 +117,8 @@ class Runner:
                                       max_inflight=depth * len(self.workers),
                                       overlap_bytes=INLINE_BYTES if models[0].pipeline is not None else 0,
                                       devices=len(self.workers),
-                                      on_depth=depth_gauge.set)
+                                      on_depth=depth_gauge.set,
+                                      on_queued=lambda ns: metrics.series.queue_duration.observe(ns / 1e9))
 
     @property
     def model(self) -> Model:
@@ -138,13 +139,7 @@ class Runner:
 
     def enqueue(self, arr: np.ndarray, datatype: str, timeout_s: float | None = None) -> asyncio.Future:
         """``run`` as a future (the engine of --frontends answers from its callback, no task per request)."""
-        future = self.batcher.enqueue(arr, datatype, timeout_s)
-        future.add_done_callback(self._observe_queue)
-        return future
-
-    def _observe_queue(self, future: asyncio.Future) -> None:
-        if not future.cancelled() and future.exception() is None:
-            self._metrics.queue_duration.labels(self._metrics.model).observe(future.result().queue_ns / 1e9)
+        return self.batcher.enqueue(arr, datatype, timeout_s)
 
     # --- executing one batch ---------------------------------------------------------
 
@@ -243,8 +238,8 @@ class Runner:
 
     def _record(self, size: int, times: ExecutionTimes) -> None:
         self._stats.record_execution(size, times.input_ns, times.infer_ns, times.output_ns)
-        self._metrics.compute_duration.labels(self._metrics.model).observe(times.infer_ns / 1e9)
-        self._metrics.batch_size.labels(self._metrics.model).observe(size)
+        self._metrics.series.compute_duration.observe(times.infer_ns / 1e9)
+        self._metrics.series.batch_size.observe(size)
 
     # --- faults ----------------------------------------------------------------------------
 

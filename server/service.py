@@ -230,8 +230,8 @@ class InferenceService:
     async def _infer(self, parsed: InferRequest | MalformedRequest,
                      timeout_s: float | None = None) -> pb.ModelInferResponse:
         arrived = time.perf_counter_ns()
-        m, model = self.metrics, self.metrics.model
-        m.inflight.labels(model).inc()
+        m = self.metrics.series
+        m.inflight.inc()
         self.state.inflight += 1
         admitted = False
         code = grpc.StatusCode.OK
@@ -256,14 +256,14 @@ class InferenceService:
                     decoded = await asyncio.to_thread(codec.decode_request, request, spec, self.shm, parsed.raw)
                 else:
                     decoded = codec.decode_request(request, spec, self.shm, parsed.raw)
-                m.input_bytes.labels(model).inc(decoded.array.nbytes)
+                m.input_bytes.inc(decoded.array.nbytes)
                 result = await runner.run(decoded.array, decoded.datatype, timeout_s)
             except (QueueFull, DeadlineExceeded) as exc:
                 raise runner_error(exc, self.model_name) from None
             response = codec.encode_response(request, spec, result.output, decoded, self.shm)
             elapsed = time.perf_counter_ns() - arrived
             self.state.stats.record_success(decoded.samples, elapsed, result.queue_ns)
-            m.samples.labels(model).inc(decoded.samples)
+            m.samples.inc(decoded.samples)
             return response
         except ServingError as exc:
             code = exc.code
@@ -282,9 +282,9 @@ class InferenceService:
             self.state.inflight -= 1
             if admitted:
                 self.state.accepted -= 1
-            m.inflight.labels(model).dec()
-            m.requests.labels(model, code.name).inc()
-            m.request_duration.labels(model).observe((time.perf_counter_ns() - arrived) / 1e9)
+            m.inflight.dec()
+            self.metrics.count_request(code.name)
+            m.request_duration.observe((time.perf_counter_ns() - arrived) / 1e9)
 
     async def _check_model(self, name: str, version: str, context) -> ModelSpec | None:
         try:

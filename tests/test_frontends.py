@@ -40,6 +40,62 @@ def _ref(x: np.ndarray) -> torch.Tensor:
 # --- the arena -----------------------------------------------------------------------------------------
 
 
+def test_outbox_sends_one_iterations_records_in_one_write_and_replies_parse_across_reads():
+    from voxserve.server import ipc
+
+    class Writer:
+        def __init__(self):
+            self.writes, self.closing = [], False
+
+        def write(self, data):
+            self.writes.append(data)
+
+        def is_closing(self):
+            return self.closing
+
+    records = [ipc.REPLY.pack(ipc.OK, 0, 8 * i, i, 5, 9) + bytes(range(8 * i)) for i in range(4)]
+
+    async def main():
+        writer = Writer()
+        outbox = ipc.Outbox(writer)
+        for r in records:
+            outbox.put(r)
+        assert writer.writes == []  # not before the iteration is over
+        await asyncio.sleep(0)
+        assert writer.writes == [b"".join(records)]
+        outbox.put(records[0])
+        writer.closing = True
+        await asyncio.sleep(0)
+        assert len(writer.writes) == 1  # nothing is written into a closing connection
+        return writer.writes[0]
+
+    stream = asyncio.run(main())
+    buffer, got = bytearray(), []
+    for cut in range(0, len(stream), 7):  # arriving in arbitrary pieces
+        buffer += stream[cut : cut + 7]
+        replies, used = ipc.replies(buffer)
+        del buffer[:used]
+        got += replies
+    assert not buffer
+    assert [(h[3], p) for h, p in got] == [(i, bytes(range(8 * i))) for i in range(4)]
+    assert all(h[:2] == (ipc.OK, 0) and h[4:] == (5, 9) for h, _ in got)
+
+
+def test_registered_page_locked_ranges_are_found_by_address(monkeypatch):
+    from voxserve.server import pipeline
+
+    monkeypatch.setattr(pipeline, "_LOCKED", ())  # this process's registry is left as it was
+    base = 1 << 40  # no real memory is touched: the registry only compares addresses
+    pipeline.register_page_locked(base, 4096)
+    pipeline.register_page_locked(base + 8192, 4096)
+    assert pipeline._registered(base, 4096) and pipeline._registered(base + 100, 10)
+    assert pipeline._registered(base + 8192, 4096)
+    assert not pipeline._registered(base + 4000, 200)  # runs past the first range's end
+    assert not pipeline._registered(base + 4096, 1)  # between the ranges
+    assert not pipeline._registered(base - 1, 2)
+
+
+
 def test_arena_blocks_are_reused_only_after_every_view_is_gone():
     arena = Arena(MiB)
     offset, block = arena.try_allocate(1000)

@@ -91,6 +91,25 @@ def test_pinned_request_buffer_goes_to_the_gpu_without_a_host_copy():
     assert relative_error(torch.from_numpy(y3), _ref(np.concatenate([x, other]), "FP32", model)) <= FP32_TOL
 
 
+def test_page_locked_spans_are_gathered_onto_the_device_in_order():
+    from voxserve.kernels import cuda as fused_cuda
+
+    host = torch.randint(0, 256, (1 << 16,), dtype=torch.uint8).pin_memory()
+    base = host.data_ptr()
+    # Out of order, back to back (coalesced into one copy) and apart, of odd sizes.
+    pieces = [(4096, 1000), (5096, 24), (0, 333), (40000, 7), (40007, 20000)]
+    spans = np.array([(base + start, n) for start, n in pieces], dtype=np.int64)
+    dst = torch.zeros(30000, dtype=torch.uint8, device="cuda")
+    stream = torch.cuda.Stream()
+    fused_cuda.copy_spans(dst, spans, stream)
+    stream.synchronize()
+    expected = torch.cat([host[start : start + n] for start, n in pieces])
+    assert torch.equal(dst[: expected.numel()].cpu(), expected)
+    assert int(dst[expected.numel() :].count_nonzero()) == 0
+    with pytest.raises(ValueError, match="more than"):
+        fused_cuda.copy_spans(dst[:100], spans, stream)
+
+
 def test_shared_memory_inputs_are_read_into_pinned_memory():
     import os
 

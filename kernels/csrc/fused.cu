@@ -1555,4 +1555,29 @@ int voxserve_notify(void* stream_handle, int fd, int device) {
   return 0;
 }
 
+
+// Copy `n` host spans (spans[2i]: address, spans[2i+1]: bytes) one after another into device memory from
+// `dst` on, on `stream`: the inputs of one batch, gathered without a host copy. Spans that lie back to back
+// on the host (consecutive requests of one front end's staging arena) go as one copy. The spans should be
+// page-locked, or the copies are not asynchronous. Returns 0, or 1 with voxserve_last_error().
+int voxserve_copy_spans(void* dst, const long long* spans, int n, void* stream_handle, int device) {
+  g_error[0] = '\0';
+  const cudaError_t dev_err = cudaSetDevice(device);
+  if (dev_err != cudaSuccess) return fail("cudaSetDevice failed: %s", cudaGetErrorString(dev_err));
+  cudaStream_t stream = static_cast<cudaStream_t>(stream_handle);
+  char* out = static_cast<char*>(dst);
+  for (int i = 0; i < n;) {
+    const long long start = spans[2 * i];
+    long long bytes = spans[2 * i + 1];
+    int j = i + 1;
+    for (; j < n && spans[2 * j] == start + bytes; ++j) bytes += spans[2 * j + 1];
+    const cudaError_t err = cudaMemcpyAsync(out, reinterpret_cast<const void*>(start), static_cast<size_t>(bytes),
+                                            cudaMemcpyHostToDevice, stream);
+    if (err != cudaSuccess) return fail("cudaMemcpyAsync failed: %s", cudaGetErrorString(err));
+    out += bytes;
+    i = j;
+  }
+  return 0;
+}
+
 }  // extern "C"
