@@ -36,15 +36,9 @@ from collections import Counter
 from pathlib import Path
 
 from voxserve.client.bench import raw_sink
-from voxserve.testing.load import ServerProcess
+from voxserve.testing.load import ServerProcess, cpu_seconds
 
 HZ = os.sysconf("SC_CLK_TCK")
-
-
-def cpu_s(pid: int) -> float:
-    """User + system CPU seconds of a live process (all its threads)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / HZ
 
 
 def role(pid: int, root: int) -> str:
@@ -73,7 +67,7 @@ class Sampler(threading.Thread):
 
     def run(self) -> None:
         while not self.halt.is_set():
-            self.samples.append((time.time(), machine_busy_s(), {pid: cpu_s(pid) for pid in self.pids}))
+            self.samples.append((time.time(), machine_busy_s(), {pid: cpu_seconds(pid) for pid in self.pids}))
             self.halt.wait(self.period_s)
 
     def window(self, start: float, end: float) -> tuple[float, float, dict[int, float]]:

@@ -25,13 +25,9 @@ from pathlib import Path
 
 import numpy as np
 
+from voxserve.testing.load import cpu_seconds
+
 SHAPE = (1, 3, 3, 3, 3)
-
-
-def cpu_seconds(pid: int) -> float:
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rpartition(")")[2].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
 
 
 def engine_main(path: str, batching: bool) -> None:

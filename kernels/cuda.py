@@ -303,8 +303,9 @@ def copy_spans(dst: torch.Tensor, spans: np.ndarray, stream: torch.cuda.Stream) 
     into ``dst`` (contiguous device memory of at least their total size): a batch's requests gathered straight
     from page-locked memory, in one call however many there are (spans back to back go as one copy)."""
     spans = np.ascontiguousarray(spans, dtype=np.int64)
-    if dst.nbytes < int(spans[:, 1].sum()):
-        raise ValueError(f"the spans hold {int(spans[:, 1].sum())} bytes, more than the {dst.nbytes} of dst")
+    total = int(spans[:, 1].sum())
+    if dst.nbytes < total:
+        raise ValueError(f"the spans hold {total} bytes, more than the {dst.nbytes} of dst")
     lib = library().lib
     if lib.voxserve_copy_spans(dst.data_ptr(), spans.ctypes.data, len(spans), stream.cuda_stream,
                                stream.device.index or 0) != 0:

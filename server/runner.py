@@ -112,13 +112,14 @@ class Runner:
         self._metrics = metrics
         depth = models[0].pipeline.depth if models[0].pipeline is not None else 1
         depth_gauge = metrics.queue_depth.labels(metrics.model)
+        queue_duration = metrics.series.queue_duration
         self.batcher = DynamicBatcher(self._execute, max_batch=self.max_batch, max_delay_s=batching.max_delay_s,
                                       max_queue=batching.max_queue, enabled=batching.enabled,
                                       max_inflight=depth * len(self.workers),
                                       overlap_bytes=INLINE_BYTES if models[0].pipeline is not None else 0,
                                       devices=len(self.workers),
                                       on_depth=depth_gauge.set,
-                                      on_queued=lambda ns: metrics.series.queue_duration.observe(ns / 1e9))
+                                      on_queued=lambda ns: queue_duration.observe(ns / 1e9))
 
     @property
     def model(self) -> Model:

@@ -1555,7 +1555,6 @@ int voxserve_notify(void* stream_handle, int fd, int device) {
   return 0;
 }
 
-
 // Copy `n` host spans (spans[2i]: address, spans[2i+1]: bytes) one after another into device memory from
 // `dst` on, on `stream`: the inputs of one batch, gathered without a host copy. Spans that lie back to back
 // on the host (consecutive requests of one front end's staging arena) go as one copy. The spans should be

@@ -46,6 +46,12 @@ def _proc_status(pid: int, key: str) -> float:
     return 0.0
 
 
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds a live process has used, all its threads (/proc/<pid>/stat)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 class ServerProcess:
     """``voxserve serve`` on free loopback ports in a child process; waits until it reports ready."""
 
