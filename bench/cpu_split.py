@@ -148,7 +148,10 @@ def measure(name: str, url: str, pids: dict[int, str], bench_args: list[str], ar
         by_role.setdefault(pids[pid].rsplit("-", 1)[0], []).append(s)
     for r, secs in sorted(by_role.items()):
         label = r if len(secs) == 1 else f"{r} (x{len(secs)}, summed)"
-        rows.append(f"| {name} | {label} | {sum(secs) / n * 1e6:.0f} | {sum(secs) / seconds:.1f} |")
+        busy = f"{sum(secs) / seconds:.1f}"
+        if len(secs) > 1:  # how evenly the kernel spread the connections: each process's cores busy
+            busy += f" (each {min(secs) / seconds:.2f}-{max(secs) / seconds:.2f})"
+        rows.append(f"| {name} | {label} | {sum(secs) / n * 1e6:.0f} | {busy} |")
     rows.append(f"| {name} | **{result['requests_per_s']:.0f} req/s**, p50 {result['p50_ms']:.1f} ms, "
                 f"p99 {result['p99_ms']:.1f} ms; host {host_s / seconds:.1f} of {os.cpu_count()} cores busy | | |")
     if args.profile:
