@@ -20,8 +20,6 @@ INPUT_NAME = "input"
 OUTPUT_NAME = "output"
 DIM_NAMES = ("N", "Cin", "D", "H", "W")
 REGION_PARAM, OFFSET_PARAM, SIZE_PARAM = "shared_memory_region", "shared_memory_offset", "shared_memory_byte_size"
-_TYPED_FIELDS = ("bool_contents", "int_contents", "int64_contents", "uint_contents", "uint64_contents",
-                 "fp32_contents", "fp64_contents", "bytes_contents")
 
 
 @dataclass(frozen=True)
@@ -149,7 +147,8 @@ def decode_request(request: pb.ModelInferRequest, spec: ModelSpec, shm=None,
     for dim in shape:
         elements *= dim  # Python ints: no overflow, whatever the client sent
     datatype = tensor.datatype
-    typed = [f for f in _TYPED_FIELDS if len(getattr(tensor.contents, f))]
+    # The typed-contents fields the client set (ListFields lists only non-empty ones, in field order).
+    typed = [fd.name for fd, _ in tensor.contents.ListFields()] if tensor.HasField("contents") else []
     if output_shm is not None:
         needed = shape[0] * spec.cout * 4
         if output_shm.byte_size is not None and output_shm.byte_size < needed:

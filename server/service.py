@@ -91,10 +91,10 @@ def add_to_server(servicer: InferenceService, server: grpc.aio.Server) -> None:
         if method.client_streaming:
             handlers[method.name] = grpc.stream_stream_rpc_method_handler(
                 behavior, request_deserializer=parse, response_serializer=response_cls.SerializeToString)
-        else:
+        else:  # ModelInfer answers a malformed body itself (and counts it), without a wrapper per call
             handlers[method.name] = grpc.unary_unary_rpc_method_handler(
-                _reject_malformed(behavior), request_deserializer=parse,
-                response_serializer=response_cls.SerializeToString)
+                behavior if method.name == "ModelInfer" else _reject_malformed(behavior),
+                request_deserializer=parse, response_serializer=response_cls.SerializeToString)
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
 
 

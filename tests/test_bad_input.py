@@ -102,6 +102,10 @@ def test_garbage_bytes_are_invalid_argument(server):
                 raw(junk, timeout=30)
             assert err.value.code() == IA, err.value.details()
             assert "ModelInferRequest" in err.value.details()
+        # The other methods are answered the same way (ModelInfer checks for itself, the rest through a wrapper).
+        with pytest.raises(grpc.RpcError) as err:
+            ch.unary_unary("/inference.GRPCInferenceService/ModelMetadata")(b"\xff\xff\xff\xff", timeout=30)
+        assert err.value.code() == IA and "ModelMetadataRequest" in err.value.details()
         stub = pb_grpc.GRPCInferenceServiceStub(ch)
         assert stub.ModelInfer(_good(), timeout=30).outputs[0].name == "output"
 
