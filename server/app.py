@@ -26,12 +26,14 @@ from .replicas import (
     REPLICA_INDEX_ENV,
     ROLE_ENV,
     die_with_supervisor,
+    resolve_frontends,
     resolve_replicas,
     supervise,
+    usable_cpus,
 )
 from .runner import BatchingConfig, Runner
 from .service import SERVICE_NAME, InferenceService, ServingState, add_to_server
-from .settings import Settings
+from .settings import AUTO, Settings
 from .shm import SharedMemoryRegistry
 
 log = logging.getLogger("voxserve")
@@ -254,8 +256,14 @@ def serve(settings: Settings) -> int:
         return run_engine(settings, os.environ[ENGINE_SOCKET_ENV], int(os.environ.get(REPLICA_INDEX_ENV, "0")),
                           os.path.join(os.environ[REPLICA_DIR_ENV], "stats"), configure_logging)
     replicas = resolve_replicas(settings)
-    if replicas > 1 or settings.frontends > 0:
-        return supervise(dataclasses.replace(settings, replicas=replicas))
+    frontends = resolve_frontends(settings)
+    if settings.frontends == AUTO:
+        configure_logging()
+        log.info("--frontends auto: %d front ends (%.4g usable CPU cores%s)", frontends, usable_cpus(),
+                 ", model on the CPU" if frontends == 0 else "")
+    if replicas > 1 or frontends > 0:
+        return supervise(dataclasses.replace(settings, replicas=replicas, frontends=frontends))
+    settings = dataclasses.replace(settings, frontends=frontends)
     configure_logging()
 
     async def main() -> int:

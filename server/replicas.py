@@ -37,8 +37,9 @@ import tempfile
 import threading
 import time
 from collections.abc import Sequence
+from pathlib import Path
 
-from .settings import Settings, env_name
+from .settings import AUTO, Settings, env_name
 
 log = logging.getLogger("voxserve.replicas")
 
@@ -134,6 +135,41 @@ def resolve_replicas(settings: Settings, gpu_count: int | None = None) -> int:
     if settings.devices == "all":
         return max(1, _gpu_count() if gpu_count is None else gpu_count)
     return len(settings.devices.split(","))
+
+
+def resolve_frontends(settings: Settings, gpu_count: int | None = None, cpus: float | None = None) -> int:
+    """--frontends, with auto resolved: three quarters of the usable cores (at least 1, at most 64) when the
+    model runs on a GPU, else 0 (on the CPU the model needs the cores itself). Three quarters: with half the
+    cores as front ends, the kernel's hashing of connections left some of them idle and others queueing
+    while a quarter of the host sat idle; the engines and the clients on the host take the rest."""
+    if settings.frontends != AUTO:
+        return int(settings.frontends)
+    if settings.device == "cpu" or (_gpu_count() if gpu_count is None else gpu_count) == 0:
+        return 0
+    cores = usable_cpus() if cpus is None else cpus
+    return max(1, min(64, int(cores * 3 / 4)))
+
+
+def usable_cpus(cgroup_root: str = "/sys/fs/cgroup") -> float:
+    """The CPU cores this process may use: its affinity, lowered by a cgroup CPU quota (a container's limit)."""
+    cpus = float(len(os.sched_getaffinity(0)))
+    quota = cgroup_cpu_quota(cgroup_root)
+    return min(cpus, quota) if quota else cpus
+
+
+def cgroup_cpu_quota(root: str = "/sys/fs/cgroup") -> float | None:
+    """Cores allowed by the cgroup's CPU quota (v2 cpu.max, else v1 cfs_quota/period), None when unlimited."""
+    base = Path(root)
+    try:
+        quota, period = (base / "cpu.max").read_text().split()[:2]
+        return None if quota == "max" else int(quota) / int(period)
+    except (OSError, ValueError):
+        pass
+    try:
+        quota, period = (int((base / "cpu" / f"cpu.cfs_{name}_us").read_text()) for name in ("quota", "period"))
+        return quota / period if quota > 0 and period > 0 else None
+    except (OSError, ValueError):
+        return None
 
 
 def _gpu_count() -> int:

@@ -10,6 +10,13 @@ from dataclasses import dataclass
 from typing import Any
 
 MiB = 1024 * 1024
+AUTO = "auto"
+
+
+def frontends_count(text: str) -> int | str:
+    """--frontends: a number of front-end processes, or 'auto' (server/replicas.py: resolve_frontends)."""
+    text = str(text).strip()
+    return AUTO if text.lower() == AUTO else int(text)
 
 
 @dataclass(frozen=True)
@@ -44,7 +51,7 @@ class Settings:
     auth_token_file: str = ""
     open_health: bool = False
     replicas: int = 0  # 0: one per GPU of --devices (1 without --devices)
-    frontends: int = 0  # 0: gRPC is served in the model's own process
+    frontends: int | str = 0  # 0: gRPC is served in the model's own process; "auto": sized to the host
     frontend_arena_bytes: int = 256 * MiB
 
 
@@ -107,10 +114,11 @@ _FLAGS: Sequence[tuple[str, str, Any, str]] = (
      "process per GPU scales where one process driving several does not; shared-memory regions, metrics "
      "and statistics are shared. 0: one per GPU of --devices (1 without --devices); 1 with "
      "--devices: one process, one runner per GPU"),
-    ("--frontends", "frontends", int,
+    ("--frontends", "frontends", frontends_count,
      "gRPC front-end processes sharing the port, in front of engine processes that only batch and execute "
      "(one per replica): small requests then reach the batcher at the rate of N processes instead of one. "
-     "0: each replica terminates its own gRPC"),
+     "0: each replica terminates its own gRPC; auto: three quarters of the usable CPU cores (affinity and "
+     "cgroup quota) when the model runs on a GPU, 0 on the CPU"),
     ("--frontend-arena-bytes", "frontend_arena_bytes", int,
      "with --frontends: each front end's shared staging memory for tensors on their way to an engine "
      "(requests wait for room; larger ones travel in pieces)"),
@@ -187,7 +195,8 @@ def validate(s: Settings) -> None:
     need(s.max_concurrent_rpcs >= 1, "--max-concurrent-rpcs", s.max_concurrent_rpcs, "must be >= 1")
     need(s.grace_period_s >= 0, "--grace-period-s", s.grace_period_s, "must be >= 0")
     need(0 <= s.replicas <= 64, "--replicas", s.replicas, "must be 0..64 (0: one per GPU of --devices)")
-    need(0 <= s.frontends <= 64, "--frontends", s.frontends, "must be 0..64")
+    need(s.frontends == AUTO or (isinstance(s.frontends, int) and 0 <= s.frontends <= 64), "--frontends",
+         s.frontends, "must be 0..64 or auto")
     need(MiB <= s.frontend_arena_bytes <= 2**40, "--frontend-arena-bytes", s.frontend_arena_bytes,
          "must be between 1 MiB and 1 TiB")
     if s.latency_buckets_s:

@@ -23,8 +23,9 @@ from voxserve.server.errors import ServingError
 from voxserve.server.ipc import Arena
 from voxserve.server.model import relative_error
 from voxserve.server.remote import RemoteRunner
+from voxserve.server.replicas import cgroup_cpu_quota, resolve_frontends, usable_cpus
 from voxserve.server.runner import BatchingConfig
-from voxserve.server.settings import Settings, validate
+from voxserve.server.settings import Settings, add_arguments, from_namespace, validate
 
 from .conftest import serve_process
 from .test_lifecycle import _metric, _wait_for
@@ -319,9 +320,59 @@ async def _until(predicate, step: float = 0.01) -> None:
 
 def test_frontends_setting_is_checked():
     validate(Settings(frontends=4))
-    for bad in (Settings(frontends=-1), Settings(frontend_arena_bytes=1000)):
+    validate(Settings(frontends="auto"))
+    for bad in (Settings(frontends=-1), Settings(frontends=65), Settings(frontends="many"),
+                Settings(frontend_arena_bytes=1000)):
         with pytest.raises(ValueError, match="--frontend"):
             validate(bad)
+
+
+def _parse(argv, environ=None):
+    import argparse
+
+    parser = argparse.ArgumentParser(exit_on_error=False)
+    add_arguments(parser, environ or {})
+    return from_namespace(parser.parse_args(argv))
+
+
+def test_frontends_auto_is_read_from_the_flag_and_its_environment_twin():
+    assert _parse(["--frontends", "auto"]).frontends == "auto"
+    assert _parse(["--frontends", "AUTO"]).frontends == "auto"
+    assert _parse(["--frontends", "3"]).frontends == 3
+    assert _parse([], {"VOXSERVE_FRONTENDS": "auto"}).frontends == "auto"
+    with pytest.raises(Exception, match="frontends"):
+        _parse(["--frontends", "lots"])
+
+
+def test_frontends_auto_sizes_to_the_cores_on_a_gpu_and_stays_in_process_on_the_cpu():
+    auto = Settings(frontends="auto")
+    assert resolve_frontends(auto, gpu_count=1, cpus=16) == 12
+    assert resolve_frontends(auto, gpu_count=2, cpus=32) == 24
+    assert resolve_frontends(auto, gpu_count=1, cpus=1) == 1  # never none with a GPU
+    assert resolve_frontends(auto, gpu_count=1, cpus=2.5) == 1  # a fractional container quota
+    assert resolve_frontends(auto, gpu_count=8, cpus=224) == 64  # the flag's own bound
+    assert resolve_frontends(auto, gpu_count=0, cpus=16) == 0  # the model needs the CPU itself
+    assert resolve_frontends(Settings(frontends="auto", device="cpu"), gpu_count=1, cpus=16) == 0
+    assert resolve_frontends(Settings(frontends=5), gpu_count=0, cpus=2) == 5  # a number is kept as given
+
+
+def test_usable_cpus_follow_the_cgroup_quota(tmp_path):
+    v2 = tmp_path / "v2"
+    v2.mkdir()
+    (v2 / "cpu.max").write_text("150000 100000\n")
+    assert cgroup_cpu_quota(str(v2)) == 1.5
+    assert usable_cpus(str(v2)) == min(1.5, len(os.sched_getaffinity(0)))
+    (v2 / "cpu.max").write_text("max 100000\n")
+    assert cgroup_cpu_quota(str(v2)) is None
+    assert usable_cpus(str(v2)) == len(os.sched_getaffinity(0))
+    v1 = tmp_path / "v1" / "cpu"
+    v1.mkdir(parents=True)
+    (v1 / "cpu.cfs_quota_us").write_text("400000\n")
+    (v1 / "cpu.cfs_period_us").write_text("100000\n")
+    assert cgroup_cpu_quota(str(tmp_path / "v1")) == 4.0
+    (v1 / "cpu.cfs_quota_us").write_text("-1\n")
+    assert cgroup_cpu_quota(str(tmp_path / "v1")) is None
+    assert cgroup_cpu_quota(str(tmp_path / "none")) is None
 
 
 # --- the whole server: two front ends and an engine ------------------------------------------------------
@@ -388,3 +439,16 @@ def test_children_stop_when_the_supervisor_is_killed(tmp_path):
                 return True
 
         _wait_for(lambda: all(gone(p) for p in pids), 60, "the engine and the front end to exit")
+
+
+def test_frontends_auto_serves_in_process_when_the_model_runs_on_the_cpu(tmp_path):
+    rng = np.random.default_rng()
+    with serve_process(tmp_path / "server.log", "--device", "cpu", "--frontends", "auto") as srv:
+        with Client(srv.url, timeout_s=60) as c:
+            _wait_for(c.is_ready, 120, "server ready")
+            x = rng.standard_normal((1, 3, 4, 5, 6), dtype=np.float32)
+            assert relative_error(torch.from_numpy(c.infer(x)), _ref(x)) <= 1e-5
+        srv.proc.send_signal(signal.SIGTERM)
+        assert srv.proc.wait(60) == 0
+    assert "--frontends auto: 0 front ends" in srv.log
+    assert "front end 0" not in srv.log and "engine 0" not in srv.log  # no supervisor: one process serves
