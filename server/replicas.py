@@ -150,21 +150,35 @@ def resolve_frontends(settings: Settings, gpu_count: int | None = None, cpus: fl
     return max(1, min(64, int(cores * 3 / 4)))
 
 
-def usable_cpus(cgroup_root: str = "/sys/fs/cgroup") -> float:
+def usable_cpus(cgroup_root: str = "/sys/fs/cgroup", self_cgroup: str = "/proc/self/cgroup") -> float:
     """The CPU cores this process may use: its affinity, lowered by a cgroup CPU quota (a container's limit)."""
     cpus = float(len(os.sched_getaffinity(0)))
-    quota = cgroup_cpu_quota(cgroup_root)
+    quota = cgroup_cpu_quota(cgroup_root, self_cgroup)
     return min(cpus, quota) if quota else cpus
 
 
-def cgroup_cpu_quota(root: str = "/sys/fs/cgroup") -> float | None:
-    """Cores allowed by the cgroup's CPU quota (v2 cpu.max, else v1 cfs_quota/period), None when unlimited."""
+def cgroup_cpu_quota(root: str = "/sys/fs/cgroup", self_cgroup: str = "/proc/self/cgroup") -> float | None:
+    """Cores allowed by the CPU quotas of this process's cgroup and its ancestors (v2 ``cpu.max``; v1
+    ``cpu.cfs_quota_us`` / ``cpu.cfs_period_us`` at the root), the tightest one; None when unlimited."""
     base = Path(root)
-    try:
-        quota, period = (base / "cpu.max").read_text().split()[:2]
-        return None if quota == "max" else int(quota) / int(period)
-    except (OSError, ValueError):
-        pass
+    try:  # v2: "0::/path/of/this/cgroup" (just "/" inside a container with its own cgroup namespace)
+        relative = next(line[3:].strip() for line in Path(self_cgroup).read_text().splitlines()
+                        if line.startswith("0::"))
+    except (OSError, StopIteration):
+        relative = "/"
+    quotas = []
+    node = base / relative.lstrip("/")
+    for directory in (node, *node.parents):
+        try:
+            quota, period = (directory / "cpu.max").read_text().split()[:2]
+            if quota != "max":
+                quotas.append(int(quota) / int(period))
+        except (OSError, ValueError):
+            pass
+        if directory == base:
+            break
+    if quotas:
+        return min(quotas)
     try:
         quota, period = (int((base / "cpu" / f"cpu.cfs_{name}_us").read_text()) for name in ("quota", "period"))
         return quota / period if quota > 0 and period > 0 else None

@@ -357,22 +357,34 @@ def test_frontends_auto_sizes_to_the_cores_on_a_gpu_and_stays_in_process_on_the_
 
 
 def test_usable_cpus_follow_the_cgroup_quota(tmp_path):
+    affinity = len(os.sched_getaffinity(0))
+    here = tmp_path / "self"
+    here.write_text("0::/\n")
     v2 = tmp_path / "v2"
     v2.mkdir()
     (v2 / "cpu.max").write_text("150000 100000\n")
-    assert cgroup_cpu_quota(str(v2)) == 1.5
-    assert usable_cpus(str(v2)) == min(1.5, len(os.sched_getaffinity(0)))
+    assert cgroup_cpu_quota(str(v2), str(here)) == 1.5
+    assert usable_cpus(str(v2), str(here)) == min(1.5, affinity)
     (v2 / "cpu.max").write_text("max 100000\n")
-    assert cgroup_cpu_quota(str(v2)) is None
-    assert usable_cpus(str(v2)) == len(os.sched_getaffinity(0))
+    assert cgroup_cpu_quota(str(v2), str(here)) is None
+    assert usable_cpus(str(v2), str(here)) == affinity
+    # This process's own cgroup and its ancestors: the tightest quota among them.
+    (v2 / "pods" / "pod1").mkdir(parents=True)
+    (v2 / "pods" / "cpu.max").write_text("300000 100000\n")
+    (v2 / "pods" / "pod1" / "cpu.max").write_text("max 100000\n")
+    here.write_text("0::/pods/pod1\n")
+    assert cgroup_cpu_quota(str(v2), str(here)) == 3.0
+    (v2 / "pods" / "pod1" / "cpu.max").write_text("250000 100000\n")
+    assert cgroup_cpu_quota(str(v2), str(here)) == 2.5
     v1 = tmp_path / "v1" / "cpu"
     v1.mkdir(parents=True)
     (v1 / "cpu.cfs_quota_us").write_text("400000\n")
     (v1 / "cpu.cfs_period_us").write_text("100000\n")
-    assert cgroup_cpu_quota(str(tmp_path / "v1")) == 4.0
+    here.write_text("12:cpu,cpuacct:/\n")
+    assert cgroup_cpu_quota(str(tmp_path / "v1"), str(here)) == 4.0
     (v1 / "cpu.cfs_quota_us").write_text("-1\n")
-    assert cgroup_cpu_quota(str(tmp_path / "v1")) is None
-    assert cgroup_cpu_quota(str(tmp_path / "none")) is None
+    assert cgroup_cpu_quota(str(tmp_path / "v1"), str(here)) is None
+    assert cgroup_cpu_quota(str(tmp_path / "none"), str(tmp_path / "missing")) is None
 
 
 # --- the whole server: two front ends and an engine ------------------------------------------------------
