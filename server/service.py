@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -30,6 +31,7 @@ log = logging.getLogger(__name__)
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["GRPCInferenceService"].full_name
 PLATFORM = "voxserve_fused_conv3d"
 EXTENSIONS = ("model_configuration", "statistics", "streaming", "system_shared_memory")
+STREAM_WINDOW = 64  # requests of one ModelStreamInfer stream in progress at once
 
 
 @dataclass
@@ -220,12 +222,54 @@ class InferenceService:
             await context.abort(exc.code, exc.message)
 
     async def ModelStreamInfer(self, request_iterator, context) -> AsyncIterator[pb.ModelStreamInferResponse]:
-        # Errors go in the message, not the stream's status, so one bad request does not end the stream.
-        async for request in request_iterator:
+        """Requests on one stream run concurrently (so they batch with each other and with everyone else's)
+        and are answered in the order they came. At most STREAM_WINDOW are taken in at a time: past that the
+        stream is not read until the oldest has been answered, so a client that sends without reading is
+        held back by HTTP/2 flow control, not buffered. Errors go in the message, not the stream's status,
+        so one bad request does not end the stream."""
+        window = asyncio.Semaphore(STREAM_WINDOW)
+        pending: collections.deque[asyncio.Future] = collections.deque()  # in the order they came
+        arrived = asyncio.Event()
+        reading = True
+
+        async def take_in() -> None:
+            nonlocal reading
             try:
-                yield pb.ModelStreamInferResponse(infer_response=await self._infer(request))
-            except ServingError as exc:
-                yield pb.ModelStreamInferResponse(error_message=f"{exc.code.name}: {exc.message}")
+                async for request in request_iterator:
+                    await window.acquire()
+                    pending.append(asyncio.ensure_future(self._stream_answer(request)))
+                    arrived.set()
+            finally:
+                reading = False
+                arrived.set()
+
+        reader = asyncio.create_task(take_in())
+        try:
+            while pending or reading:
+                if not pending:
+                    arrived.clear()
+                    await arrived.wait()
+                    continue
+                try:
+                    yield await pending[0]
+                finally:
+                    pending.popleft()
+                    window.release()
+            await reader  # the stream's own failure, if reading it failed
+        finally:
+            reader.cancel()
+            for left in pending:
+                left.cancel()
+
+    async def _stream_answer(self, request: InferRequest | MalformedRequest) -> pb.ModelStreamInferResponse:
+        try:
+            return pb.ModelStreamInferResponse(infer_response=await self._infer(request))
+        except ServingError as exc:
+            response = pb.ModelStreamInferResponse(error_message=f"{exc.code.name}: {exc.message}")
+            if isinstance(request, InferRequest):  # which request it answers, as a response would say
+                response.infer_response.model_name = self.model_name
+                response.infer_response.id = request.message.id
+            return response
 
     async def _infer(self, parsed: InferRequest | MalformedRequest,
                      timeout_s: float | None = None) -> pb.ModelInferResponse:

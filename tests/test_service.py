@@ -167,6 +167,37 @@ def test_stream_infer_reports_errors_in_band(server, rng):
     assert replies[1].error_message.startswith("INVALID_ARGUMENT") and "D=1" in replies[1].error_message
 
 
+def test_requests_on_one_stream_run_together_and_are_answered_in_order(rng):
+    """A stream's requests are not served one after another: with a long queue delay, eight of them sent
+    back to back share an execution or two (one at a time would take eight), and the answers still come in
+    the order of the requests, each with its id and its own rows."""
+    xs = [_random(rng, (1, 3, 4, 5, 6)) for _ in range(8)]
+    requests = [build_request(x, "voxnet", "FP32") for x in xs]
+    for i, r in enumerate(requests):
+        r.id = f"r{i}"
+    bad = build_request(_random(rng, (1, 3, 1, 5, 6)), "voxnet", "FP32")
+    bad.id = "bad"
+    with running_server(max_queue_delay_ms=400) as srv:
+        assert srv.wait_ready()
+        with grpc.insecure_channel(srv.url) as ch:
+            stub = pb_grpc.GRPCInferenceServiceStub(ch)
+
+            def executions() -> int:
+                return stub.ModelStatistics(pb.ModelStatisticsRequest(name="voxnet")).model_stats[0].execution_count
+
+            before = executions()
+            replies = list(stub.ModelStreamInfer(iter([*requests[:4], bad, *requests[4:]]), timeout=60))
+            ran = executions() - before
+    assert [r.infer_response.id for r in replies] == ["r0", "r1", "r2", "r3", "bad", "r4", "r5", "r6", "r7"]
+    assert replies[4].error_message.startswith("INVALID_ARGUMENT")
+    good = replies[:4] + replies[5:]
+    for x, r in zip(xs, good, strict=True):
+        assert not r.error_message
+        out = np.frombuffer(r.infer_response.raw_output_contents[0], np.float32).reshape(1, -1).copy()
+        assert relative_error(torch.from_numpy(out), _ref(x)) <= 1e-5
+    assert ran <= 2, f"{ran} executions for 8 requests sent together on one stream"
+
+
 def test_weights_file_and_custom_shape(tmp_path, rng):
     from voxserve.server import weights as weights_io
 
