@@ -1,7 +1,8 @@
 """`voxserve bench`: a load generator for Open Inference Protocol servers, in the spirit of perf_analyzer.
 
 For each concurrency level, that many asyncio workers send the same pre-serialised ModelInfer
-request back to back for a duration or a number of requests; the report gives throughput
+request back to back for a duration or a number of requests (``--streaming``: as messages of one
+ModelStreamInfer stream per connection instead of one call each); the report gives throughput
 (requests/s, samples/s, MB/s of input) and latency percentiles per level, and the server's own
 queue/compute split from ModelStatistics. ``--compare-raw`` sends the same bytes, in the same run, to a
 trivial sink server in another process: the gRPC transport's ceiling on this machine.
@@ -11,6 +12,7 @@ Needs only grpcio, protobuf and numpy (matplotlib for --plot).
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import itertools
 import json
@@ -33,6 +35,7 @@ from .security import PLAINTEXT, Credentials
 from .shm import SharedMemoryBuffer
 
 INFER_METHOD = "/inference.GRPCInferenceService/ModelInfer"
+STREAM_METHOD = "/inference.GRPCInferenceService/ModelStreamInfer"
 START_TIMEOUT_S = 120.0  # for --processes to import, connect and meet
 STATS_METHOD = "/inference.GRPCInferenceService/ModelStatistics"
 
@@ -76,22 +79,80 @@ async def _stats(channel: grpc.aio.Channel, model: str, metadata) -> pb.ModelSta
         return None
 
 
+class _Stream:
+    """One ModelStreamInfer stream that several workers share. One task writes the requests in the order
+    they were handed in and the server answers in that order, so the n-th answer is the n-th request's."""
+
+    def __init__(self, channel: grpc.aio.Channel, metadata) -> None:
+        self.call = channel.stream_stream(STREAM_METHOD)(metadata=metadata)  # bytes in, bytes out
+        self.waiting: collections.deque[asyncio.Future] = collections.deque()
+        self.outbox: asyncio.Queue[tuple[bytes, asyncio.Future]] = asyncio.Queue()
+        self.tasks = [asyncio.create_task(self._write()), asyncio.create_task(self._read())]
+
+    async def __call__(self, payload: bytes, timeout: float, metadata=None) -> None:
+        """Send one request and wait for its answer; raise grpc.RpcError-like errors as a unary call would."""
+        future = asyncio.get_running_loop().create_future()
+        self.outbox.put_nowait((payload, future))
+        try:
+            error = await asyncio.wait_for(future, timeout)
+        except TimeoutError:
+            raise StreamError(f"no answer within {timeout} s") from None
+        if error:
+            raise StreamError(error)
+
+    async def _write(self) -> None:
+        while True:
+            payload, future = await self.outbox.get()
+            self.waiting.append(future)  # before the write: its answer cannot come earlier
+            await self.call.write(payload)
+
+    async def _read(self) -> None:
+        failure: BaseException = StreamError("the stream ended")
+        try:
+            async for raw in self.call:
+                future = self.waiting.popleft()
+                if not future.done():  # else it timed out meanwhile
+                    future.set_result(pb.ModelStreamInferResponse.FromString(raw).error_message)
+        except grpc.RpcError as exc:
+            failure = StreamError(f"the stream failed: {exc.code().name}")
+        finally:
+            for future in self.waiting:
+                if not future.done():
+                    future.set_exception(failure)
+
+    async def close(self) -> None:
+        self.tasks[0].cancel()
+        with contextlib.suppress(grpc.RpcError, asyncio.InvalidStateError):
+            await self.call.done_writing()
+        self.call.cancel()
+        await asyncio.gather(*self.tasks, return_exceptions=True)
+
+
+class StreamError(grpc.RpcError):
+    """A request answered with an error message on a stream (or lost with its stream)."""
+
+
 async def run_level(url: str, payload: bytes, samples: int, tensor_bytes: int, concurrency: int, *,
                     duration_s: float | None,
                     requests: int | None, model: str, target: str, timeout_s: float = 120.0,
                     progress: bool = False, credentials: Credentials = PLAINTEXT,
-                    connections: int = 1, statistics: bool = True,
+                    connections: int = 1, statistics: bool = True, streaming: bool = False,
                     ready: Callable[[], None] | None = None) -> LevelResult:
     """Drive one concurrency level; exactly one of duration_s / requests bounds it. The workers share
-    ``connections`` connections round-robin (a server of several replicas serves each on one replica)."""
+    ``connections`` connections round-robin (a server of several replicas serves each on one replica);
+    ``streaming``: each connection carries one ModelStreamInfer stream that its workers' requests travel on."""
     metadata = credentials.metadata()
     async with contextlib.AsyncExitStack() as stack:
         channels = [await stack.enter_async_context(
             credentials.channel(url, _channel_options(DEFAULT_MAX_MESSAGE_BYTES), aio=True))
             for _ in range(max(1, min(connections, concurrency)))]
         channel = channels[0]
-        # bytes in, bytes out: no client-side (de)serialisation
-        calls = [ch.unary_unary(INFER_METHOD) for ch in channels]
+        if streaming:
+            calls = [_Stream(ch, metadata) for ch in channels]
+            for stream in calls:
+                stack.push_async_callback(stream.close)
+        else:  # bytes in, bytes out: no client-side (de)serialisation
+            calls = [ch.unary_unary(INFER_METHOD) for ch in channels]
         before = await _stats(channel, model, metadata) if statistics and target == "voxserve" else None
         result = LevelResult(target, concurrency, 0, 0, 0.0, samples, tensor_bytes)
         issued = 0
@@ -140,13 +201,14 @@ async def run_level(url: str, payload: bytes, samples: int, tensor_bytes: int, c
 
 def _level_process(results, url: str, payload: bytes, samples: int, tensor_bytes: int, concurrency: int,
                    duration_s: float | None, requests: int | None, model: str, target: str, timeout_s: float,
-                   credentials: Credentials, connections: int, start) -> None:
+                   credentials: Credentials, connections: int, streaming: bool, start) -> None:
     """One of --processes: connect, start with the others (``start``: a barrier of all of them and the
     parent), drive its share of the level, send back the result."""
     try:
         r = asyncio.run(run_level(url, payload, samples, tensor_bytes, concurrency, duration_s=duration_s,
                                   requests=requests, model=model, target=target, timeout_s=timeout_s,
                                   credentials=credentials, connections=connections, statistics=False,
+                                  streaming=streaming,
                                   ready=lambda: start.wait(START_TIMEOUT_S)))
         results.put((r.requests, r.errors, r.wall_start, r.wall_end, r.latencies_ms))
     except BaseException as exc:  # the parent must not wait for a result that will never come
@@ -157,7 +219,7 @@ def _level_process(results, url: str, payload: bytes, samples: int, tensor_bytes
 def run_level_processes(url: str, payload: bytes, samples: int, tensor_bytes: int, concurrency: int, *,
                         processes: int, duration_s: float | None, requests: int | None, model: str, target: str,
                         timeout_s: float = 120.0, progress: bool = False, credentials: Credentials = PLAINTEXT,
-                        connections: int = 1) -> LevelResult:
+                        connections: int = 1, streaming: bool = False) -> LevelResult:
     """``run_level`` spread over ``processes`` load processes (each its own event loop and connections), for
     servers that one Python client process cannot saturate; the workers, connections and requests are split
     as evenly as they go and the latencies merged."""
@@ -172,7 +234,7 @@ def run_level_processes(url: str, payload: bytes, samples: int, tensor_bytes: in
         reqs = None if requests is None else requests // processes + (i < requests % processes)
         children.append(ctx.Process(target=_level_process, daemon=True, args=(
             results, url, payload, samples, tensor_bytes, share, duration_s, reqs, model, target, timeout_s,
-            credentials, conns, start)))
+            credentials, conns, streaming, start)))
     before = asyncio.run(_stats_once(url, model, credentials)) if target == "voxserve" else None
     for child in children:
         child.start()
@@ -232,16 +294,24 @@ def _server_split(result: LevelResult, before: pb.ModelStatistics | None, after:
 
 
 def _sink_main(port_queue) -> None:
-    """A trivial ModelInfer sink: accepts any body, answers a fixed small response."""
+    """A trivial ModelInfer (and ModelStreamInfer) sink: accepts any body, answers a fixed small response."""
     async def serve() -> None:
         reply = pb.ModelInferResponse(model_name="sink").SerializeToString()
+        stream_reply = pb.ModelStreamInferResponse(infer_response=pb.ModelInferResponse(model_name="sink")
+                                                   ).SerializeToString()
 
         async def handle(request: bytes, context) -> bytes:
             return reply
 
+        async def handle_stream(requests, context):
+            async for _ in requests:
+                yield stream_reply
+
         server = grpc.aio.server(options=_channel_options(DEFAULT_MAX_MESSAGE_BYTES))
         handler = grpc.method_handlers_generic_handler(
-            "inference.GRPCInferenceService", {"ModelInfer": grpc.unary_unary_rpc_method_handler(handle)})
+            "inference.GRPCInferenceService", {"ModelInfer": grpc.unary_unary_rpc_method_handler(handle),
+                                               "ModelStreamInfer": grpc.stream_stream_rpc_method_handler(
+                                                   handle_stream)})
         server.add_generic_rpc_handlers((handler,))
         port_queue.put(server.add_insecure_port("127.0.0.1:0"))
         await server.start()
@@ -353,7 +423,7 @@ def main(args) -> int:
             for c in levels:
                 common = dict(duration_s=duration, requests=args.requests, model=args.model_name, target=target,
                               timeout_s=args.timeout_s, progress=not args.json, credentials=target_creds,
-                              connections=args.connections)
+                              connections=args.connections, streaming=args.streaming)
                 if args.processes > 1:
                     results.append(run_level_processes(url, payload, args.batch, tensor_bytes, c,
                                                        processes=args.processes, **common))
@@ -362,10 +432,12 @@ def main(args) -> int:
     if args.json:
         print(json.dumps({"shape": list(shape), "dtype": args.dtype, "request_bytes": len(payload),
                           "tensor_bytes": tensor_bytes, "shared_memory": bool(args.shared_memory),
+                          "streaming": bool(args.streaming),
                           "levels": [r.summary() for r in results]}, indent=2))
     else:
         where = "in shared memory, " if args.shared_memory else ""
-        print(f"request: {shape} {args.dtype}, {where}{len(payload) / 1e6:.2f} MB on the wire")
+        how = ", on streams (ModelStreamInfer)" if args.streaming else ""
+        print(f"request: {shape} {args.dtype}, {where}{len(payload) / 1e6:.2f} MB on the wire{how}")
         print(format_table(results))
     if args.plot:
         plot(results, args.plot)

@@ -78,3 +78,30 @@ def test_bench_load_processes_send_together(server, capsys):
                "--processes", "3", "--json"])
     level = json.loads(capsys.readouterr().out)["levels"][0]
     assert rc == 0 and level["requests"] == 10 and level["errors"] == 0
+
+
+def test_bench_on_streams(server, capsys):
+    """--streaming: every request travels on a ModelStreamInfer stream (one per connection, shared by its
+    workers) and is counted once, answered or refused, here and against the raw sink."""
+    from voxserve.client import Client
+
+    with Client(server.url) as c:
+        before = c.model_statistics().inference_count
+    rc = main(["bench", "--url", server.url, "--batch", "2", "--shape", "3,4,5,6", "--concurrency", "1,5",
+               "--requests", "12", "--connections", "2", "--streaming", "--compare-raw", "--json"])
+    assert rc == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["streaming"] is True
+    levels = report["levels"]
+    assert [(lv["target"], lv["concurrency"]) for lv in levels] == [
+        ("voxserve", 1), ("voxserve", 5), ("raw sink", 1), ("raw sink", 5)]
+    for lv in levels:
+        assert lv["requests"] == 12 and lv["errors"] == 0
+        assert 0 < lv["p50_ms"] <= lv["p99_ms"]
+    with Client(server.url) as c:
+        assert c.model_statistics().inference_count - before == 2 * 12 * 2  # 24 requests of 2 samples served
+    # Refused requests come back in band and count as errors, each once.
+    rc = main(["bench", "--url", server.url, "--shape", "4,4,5,6", "--concurrency", "3", "--requests", "6",
+               "--streaming", "--json"])
+    assert rc == 1
+    assert json.loads(capsys.readouterr().out)["levels"][0]["errors"] == 6

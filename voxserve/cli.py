@@ -127,6 +127,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="load processes the workers and connections are split over: one Python process "
                        "sends a few thousand small requests a second, a server with --frontends takes more "
                        "[default: %(default)s]")
+    bench.add_argument("--streaming", action="store_true",
+                       help="send the requests as messages of one ModelStreamInfer stream per connection (the "
+                            "server answers each stream's requests in order) instead of one ModelInfer call each")
     bench.add_argument("--compare-raw", action="store_true",
                        help="also send the same bytes to a trivial sink server: the raw gRPC ceiling")
     bench.add_argument("--json", action="store_true", help="print the results as JSON")
