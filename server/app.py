@@ -256,7 +256,7 @@ def serve(settings: Settings) -> int:
         return run_engine(settings, os.environ[ENGINE_SOCKET_ENV], int(os.environ.get(REPLICA_INDEX_ENV, "0")),
                           os.path.join(os.environ[REPLICA_DIR_ENV], "stats"), configure_logging)
     replicas = resolve_replicas(settings)
-    frontends = resolve_frontends(settings)
+    frontends = resolve_frontends(settings, engines=replicas)
     if settings.frontends == AUTO:
         configure_logging()
         log.info("--frontends auto: %d front ends (%.4g usable CPU cores%s)", frontends, usable_cpus(),

@@ -137,17 +137,23 @@ def resolve_replicas(settings: Settings, gpu_count: int | None = None) -> int:
     return len(settings.devices.split(","))
 
 
-def resolve_frontends(settings: Settings, gpu_count: int | None = None, cpus: float | None = None) -> int:
-    """--frontends, with auto resolved: three quarters of the usable cores (at least 1, at most 64) when the
-    model runs on a GPU, else 0 (on the CPU the model needs the cores itself). Three quarters: with half the
-    cores as front ends, the kernel's hashing of connections left some of them idle and others queueing
-    while a quarter of the host sat idle; the engines and the clients on the host take the rest."""
+FRONTENDS_PER_ENGINE = 16  # auto's ceiling per engine: 16 gave a GPU's engine as much as it took (32 cores)
+
+
+def resolve_frontends(settings: Settings, gpu_count: int | None = None, cpus: float | None = None,
+                      engines: int = 1) -> int:
+    """--frontends, with auto resolved: three quarters of the usable cores when the model runs on a GPU (at
+    least 1; at most 16 per engine, each engine being one GPU replica, and 64 in all), else 0 (on the CPU
+    the model needs the cores itself). Three quarters: with half the cores as front ends, the kernel's
+    hashing of connections left some of them idle and others queueing while a quarter of the host sat
+    idle; the engines and the clients on the host take the rest. Each front end costs a process
+    (~250 MB) and its staging arena, hence the ceiling."""
     if settings.frontends != AUTO:
         return int(settings.frontends)
     if settings.device == "cpu" or (_gpu_count() if gpu_count is None else gpu_count) == 0:
         return 0
     cores = usable_cpus() if cpus is None else cpus
-    return max(1, min(64, int(cores * 3 / 4)))
+    return max(1, min(64, FRONTENDS_PER_ENGINE * max(1, engines), int(cores * 3 / 4)))
 
 
 def usable_cpus(cgroup_root: str = "/sys/fs/cgroup", self_cgroup: str = "/proc/self/cgroup") -> float:

@@ -118,7 +118,7 @@ _FLAGS: Sequence[tuple[str, str, Any, str]] = (
      "gRPC front-end processes sharing the port, in front of engine processes that only batch and execute "
      "(one per replica): small requests then reach the batcher at the rate of N processes instead of one. "
      "0: each replica terminates its own gRPC; auto: three quarters of the usable CPU cores (affinity and "
-     "cgroup quota) when the model runs on a GPU, 0 on the CPU"),
+     "cgroup quota), at most 16 per GPU replica, when the model runs on a GPU; 0 on the CPU"),
     ("--frontend-arena-bytes", "frontend_arena_bytes", int,
      "with --frontends: each front end's shared staging memory for tensors on their way to an engine "
      "(requests wait for room; larger ones travel in pieces)"),

@@ -347,10 +347,13 @@ def test_frontends_auto_is_read_from_the_flag_and_its_environment_twin():
 def test_frontends_auto_sizes_to_the_cores_on_a_gpu_and_stays_in_process_on_the_cpu():
     auto = Settings(frontends="auto")
     assert resolve_frontends(auto, gpu_count=1, cpus=16) == 12
-    assert resolve_frontends(auto, gpu_count=2, cpus=32) == 24
+    assert resolve_frontends(auto, gpu_count=2, cpus=32, engines=2) == 24
+    assert resolve_frontends(auto, gpu_count=2, cpus=32) == 16  # one engine process driving both GPUs
     assert resolve_frontends(auto, gpu_count=1, cpus=1) == 1  # never none with a GPU
     assert resolve_frontends(auto, gpu_count=1, cpus=2.5) == 1  # a fractional container quota
-    assert resolve_frontends(auto, gpu_count=8, cpus=224) == 64  # the flag's own bound
+    assert resolve_frontends(auto, gpu_count=1, cpus=64) == 16  # at most 16 per engine (one GPU replica)
+    assert resolve_frontends(auto, gpu_count=2, cpus=64, engines=2) == 32
+    assert resolve_frontends(auto, gpu_count=8, cpus=224, engines=8) == 64  # the flag's own bound
     assert resolve_frontends(auto, gpu_count=0, cpus=16) == 0  # the model needs the CPU itself
     assert resolve_frontends(Settings(frontends="auto", device="cpu"), gpu_count=1, cpus=16) == 0
     assert resolve_frontends(Settings(frontends=5), gpu_count=0, cpus=2) == 5  # a number is kept as given
