@@ -87,10 +87,13 @@ class _Stream:
         self.call = channel.stream_stream(STREAM_METHOD)(metadata=metadata)  # bytes in, bytes out
         self.waiting: collections.deque[asyncio.Future] = collections.deque()
         self.outbox: asyncio.Queue[tuple[bytes, asyncio.Future]] = asyncio.Queue()
+        self.failure: StreamError | None = None  # once the stream has ended: every later request fails at once
         self.tasks = [asyncio.create_task(self._write()), asyncio.create_task(self._read())]
 
     async def __call__(self, payload: bytes, timeout: float, metadata=None) -> None:
         """Send one request and wait for its answer; raise grpc.RpcError-like errors as a unary call would."""
+        if self.failure is not None:
+            raise self.failure
         future = asyncio.get_running_loop().create_future()
         self.outbox.put_nowait((payload, future))
         try:
@@ -104,10 +107,14 @@ class _Stream:
         while True:
             payload, future = await self.outbox.get()
             self.waiting.append(future)  # before the write: its answer cannot come earlier
-            await self.call.write(payload)
+            try:
+                await self.call.write(payload)
+            except (grpc.RpcError, asyncio.InvalidStateError) as exc:  # the stream has ended
+                self._fail(StreamError(f"the stream ended: {exc!r}"))
+                return
 
     async def _read(self) -> None:
-        failure: BaseException = StreamError("the stream ended")
+        failure = StreamError("the stream ended")
         try:
             async for raw in self.call:
                 future = self.waiting.popleft()
@@ -116,9 +123,17 @@ class _Stream:
         except grpc.RpcError as exc:
             failure = StreamError(f"the stream failed: {exc.code().name}")
         finally:
-            for future in self.waiting:
-                if not future.done():
-                    future.set_exception(failure)
+            self._fail(failure)
+
+    def _fail(self, failure: StreamError) -> None:
+        """The stream is over: fail what waits for an answer or to be sent, and whatever comes later."""
+        self.failure = self.failure or failure
+        while not self.outbox.empty():
+            self.waiting.append(self.outbox.get_nowait()[1])
+        for future in self.waiting:
+            if not future.done():
+                future.set_exception(self.failure)
+        self.waiting.clear()
 
     async def close(self) -> None:
         self.tasks[0].cancel()

@@ -105,3 +105,21 @@ def test_bench_on_streams(server, capsys):
                "--streaming", "--json"])
     assert rc == 1
     assert json.loads(capsys.readouterr().out)["levels"][0]["errors"] == 6
+
+
+def test_bench_on_a_stream_the_server_ends_fails_fast(tmp_path, capsys):
+    """A stream the server ends (here: refused without a token) fails its requests at once, not after the
+    per-request timeout, and the ones sent after it too."""
+    from .conftest import running_server
+
+    tokens = tmp_path / "tokens"
+    tokens.write_text("a-token-long-enough-for-the-server\n")
+    with running_server(auth_token_file=str(tokens)) as srv:
+        assert srv.wait_ready()
+        started = time.monotonic()
+        rc = main(["bench", "--url", srv.url, "--shape", "3,4,5,6", "--concurrency", "3", "--requests", "9",
+                   "--streaming", "--timeout-s", "60", "--json"])
+        assert time.monotonic() - started < 20
+    assert rc == 1
+    level = json.loads(capsys.readouterr().out)["levels"][0]
+    assert level["errors"] == 9 and level["requests"] == 0
