@@ -9,6 +9,7 @@ Needs only grpcio, protobuf and numpy.
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterable, AsyncIterator, Iterable
 from typing import Any
 
 import grpc
@@ -187,6 +188,32 @@ class AsyncClient:
 
     async def infer(self, x: np.ndarray, datatype: str = "FP32") -> np.ndarray:
         return parse_response(await self._call("ModelInfer", build_request(x, self.model, datatype)))
+
+    async def infer_stream(self, arrays: Iterable[np.ndarray] | AsyncIterable[np.ndarray],
+                           datatype: str = "FP32") -> AsyncIterator[np.ndarray]:
+        """Infer each array as one message of a single ModelStreamInfer stream and yield the outputs in the
+        same order. The server runs a stream's requests concurrently (they batch together), so one
+        connection keeps many in flight at a lower cost per request than separate calls. The first request
+        the server refuses raises InferenceError, which ends the stream."""
+        async def requests() -> AsyncIterator[pb.ModelInferRequest]:
+            if isinstance(arrays, AsyncIterable):
+                async for x in arrays:
+                    yield build_request(x, self.model, datatype)
+            else:
+                for x in arrays:
+                    yield build_request(x, self.model, datatype)
+
+        call = self._stub.ModelStreamInfer(requests(), metadata=self._metadata)  # no deadline: as long as input
+        try:
+            async for answer in call:
+                if answer.error_message:
+                    name, _, message = answer.error_message.partition(": ")
+                    raise InferenceError(grpc.StatusCode.__members__.get(name, grpc.StatusCode.UNKNOWN), message)
+                yield parse_response(answer.infer_response)
+        except grpc.RpcError as exc:
+            raise InferenceError.from_rpc(exc) from None
+        finally:
+            call.cancel()
 
     async def is_live(self) -> bool:
         return bool((await self._call("ServerLive", pb.ServerLiveRequest())).live)

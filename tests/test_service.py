@@ -198,6 +198,33 @@ def test_requests_on_one_stream_run_together_and_are_answered_in_order(rng):
     assert ran <= 2, f"{ran} executions for 8 requests sent together on one stream"
 
 
+def test_async_client_streams_requests_and_gets_outputs_in_order(server, rng):
+    xs = [_random(rng, (n, 3, 4, 5, 6)) for n in (1, 3, 2, 1, 4)]
+    bad = _random(rng, (1, 3, 2, 5, 6))  # D=2 is smaller than the kernel
+
+    async def main():
+        async with AsyncClient(server.url) as c:
+            outs = [y async for y in c.infer_stream(xs)]
+
+            async def arrays():  # an async source, refused half-way
+                yield xs[0]
+                yield bad
+                yield xs[1]
+
+            got = []
+            with pytest.raises(InferenceError) as err:
+                async for y in c.infer_stream(arrays()):
+                    got.append(y)
+            return outs, got, err.value
+
+    outs, got, error = asyncio.run(main())
+    assert [o.shape for o in outs] == [(x.shape[0], 16) for x in xs]
+    for x, y in zip(xs, outs, strict=True):
+        assert relative_error(torch.from_numpy(y), _ref(x)) <= 1e-5
+    assert len(got) == 1 and relative_error(torch.from_numpy(got[0]), _ref(xs[0])) <= 1e-5
+    assert error.code == grpc.StatusCode.INVALID_ARGUMENT and "D=2" in str(error)
+
+
 def test_weights_file_and_custom_shape(tmp_path, rng):
     from voxserve.server import weights as weights_io
 
