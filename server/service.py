@@ -253,13 +253,15 @@ class InferenceService:
                 try:
                     yield await pending[0]
                 finally:
-                    pending.popleft()
+                    pending.popleft().cancel()  # a no-op once answered; the work of a dropped stream stops
                     window.release()
             await reader  # the stream's own failure, if reading it failed
         finally:
             reader.cancel()
             for left in pending:
                 left.cancel()
+            if reader.done() and not reader.cancelled():
+                reader.exception()  # seen here: the stream's end says the rest
 
     async def _stream_answer(self, request: InferRequest | MalformedRequest) -> pb.ModelStreamInferResponse:
         try:

@@ -198,6 +198,36 @@ def test_requests_on_one_stream_run_together_and_are_answered_in_order(rng):
     assert ran <= 2, f"{ran} executions for 8 requests sent together on one stream"
 
 
+def test_a_cancelled_stream_drops_its_requests(rng):
+    """Cancelling a stream cancels the requests it has in progress: under a long queue delay none of them is
+    executed after the stream is gone."""
+    import threading
+    import time
+
+    hold = threading.Event()
+    requests = [build_request(_random(rng, (1, 3, 4, 5, 6)), "voxnet", "FP32") for _ in range(3)]
+
+    def sent():
+        yield from requests
+        hold.wait(30)  # the stream stays open until it is cancelled
+
+    with running_server(max_queue_delay_ms=1500) as srv:
+        assert srv.wait_ready()
+        with grpc.insecure_channel(srv.url) as ch:
+            stub = pb_grpc.GRPCInferenceServiceStub(ch)
+
+            def executions() -> int:
+                return stub.ModelStatistics(pb.ModelStatisticsRequest(name="voxnet")).model_stats[0].execution_count
+
+            before = executions()
+            call = stub.ModelStreamInfer(sent())
+            time.sleep(0.5)  # taken in and queued, waiting for the batch to fill
+            call.cancel()
+            hold.set()
+            time.sleep(2.0)  # past the queue delay: a request still queued would have run by now
+            assert executions() == before
+
+
 def test_async_client_streams_requests_and_gets_outputs_in_order(server, rng):
     xs = [_random(rng, (n, 3, 4, 5, 6)) for n in (1, 3, 2, 1, 4)]
     bad = _random(rng, (1, 3, 2, 5, 6))  # D=2 is smaller than the kernel
