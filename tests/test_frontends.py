@@ -467,3 +467,22 @@ def test_frontends_auto_serves_in_process_when_the_model_runs_on_the_cpu(tmp_pat
         assert srv.proc.wait(60) == 0
     assert "--frontends auto: 0 front ends" in srv.log
     assert "front end 0" not in srv.log and "engine 0" not in srv.log  # no supervisor: one process serves
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_frontends_auto_starts_front_ends_for_a_gpu(tmp_path):
+    """On a GPU host --frontends auto starts the front ends it logs (three quarters of the usable cores, at
+    most 16 for one engine) in front of an engine on the GPU, and they answer within fp32 of float64."""
+    expected = resolve_frontends(Settings(frontends="auto"), engines=1)
+    rng = np.random.default_rng()
+    with serve_process(tmp_path / "server.log", "--frontends", "auto", "--frontend-arena-bytes", str(16 * MiB)) as srv:
+        _wait_for(lambda: _metric(srv.metrics_port, "voxserve_model_ready") == 1.0, 300, "every process ready")
+        clients = [Client(srv.url, timeout_s=60) for _ in range(4)]
+        x = rng.standard_normal((2, 3, 16, 32, 32), dtype=np.float32)
+        for c in clients:
+            assert relative_error(torch.from_numpy(c.infer(x)), _ref(x)) <= 1e-5
+            c.close()
+        srv.proc.send_signal(signal.SIGTERM)
+        assert srv.proc.wait(timeout=90) == 0
+    assert f"--frontends auto: {expected} front ends" in srv.log
+    assert srv.log.count("(front end of 1 engine(s))") == expected and "engine 0 ready on cuda" in srv.log
