@@ -16,6 +16,7 @@ from . import security
 from . import weights as weights_io
 from .codec import ModelSpec
 from .engine import build_models, load_weights, run_engine
+from .heap import freeze_startup_objects
 from .ipc import Arena
 from .metrics import Metrics, latency_buckets
 from .remote import RemoteRunner
@@ -165,6 +166,7 @@ class VoxServer:
             self.state.device, self.state.kernel = devices, kernel
             self.metrics.set_build(devices, kernel)
             if not self.state.draining:
+                freeze_startup_objects()
                 self.state.ready = True
                 await self._set_serving(True)
                 log.info("ready: model '%s' v%s (Cin=%d, Cout=%d, k=%d) on %s with %s%s", s.model_name,

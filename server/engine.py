@@ -34,6 +34,7 @@ from . import ipc, pipeline
 from . import weights as weights_io
 from .batching import BatchResult
 from .errors import ServingError, runner_error
+from .heap import freeze_startup_objects
 from .metrics import Metrics, latency_buckets
 from .model import Model, select_devices
 from .runner import BatchingConfig, Runner
@@ -129,6 +130,7 @@ class Engine:
         listener.bind(self.socket_path)
         listener.listen(64)
         listener.setblocking(False)
+        freeze_startup_objects()
         self.metrics.model_ready.labels(s.model_name).set(1)
         log.info("engine %d ready on %s with %s: %s", self.index, self.hello["device"], self.hello["kernel"],
                  self.socket_path)

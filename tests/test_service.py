@@ -255,6 +255,17 @@ def test_async_client_streams_requests_and_gets_outputs_in_order(server, rng):
     assert error.code == grpc.StatusCode.INVALID_ARGUMENT and "D=2" in str(error)
 
 
+def test_start_up_objects_are_frozen_once_ready():
+    """Once ready, what start-up left is out of the garbage collector's full collections (server/heap.py)."""
+    import gc
+
+    gc.unfreeze()
+    with running_server() as srv:
+        assert srv.wait_ready()
+        assert gc.get_freeze_count() > 10_000  # modules, torch, weights: far more in practice
+    gc.unfreeze()
+
+
 def test_weights_file_and_custom_shape(tmp_path, rng):
     from voxserve.server import weights as weights_io
 
