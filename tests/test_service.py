@@ -167,6 +167,10 @@ def test_stream_infer_reports_errors_in_band(server, rng):
     assert replies[1].error_message.startswith("INVALID_ARGUMENT") and "D=1" in replies[1].error_message
 
 
+def _executions(stub) -> int:
+    return stub.ModelStatistics(pb.ModelStatisticsRequest(name="voxnet")).model_stats[0].execution_count
+
+
 def test_requests_on_one_stream_run_together_and_are_answered_in_order(rng):
     """A stream's requests are not served one after another: with a long queue delay, eight of them sent
     back to back share an execution or two (one at a time would take eight), and the answers still come in
@@ -181,13 +185,9 @@ def test_requests_on_one_stream_run_together_and_are_answered_in_order(rng):
         assert srv.wait_ready()
         with grpc.insecure_channel(srv.url) as ch:
             stub = pb_grpc.GRPCInferenceServiceStub(ch)
-
-            def executions() -> int:
-                return stub.ModelStatistics(pb.ModelStatisticsRequest(name="voxnet")).model_stats[0].execution_count
-
-            before = executions()
+            before = _executions(stub)
             replies = list(stub.ModelStreamInfer(iter([*requests[:4], bad, *requests[4:]]), timeout=60))
-            ran = executions() - before
+            ran = _executions(stub) - before
     assert [r.infer_response.id for r in replies] == ["r0", "r1", "r2", "r3", "bad", "r4", "r5", "r6", "r7"]
     assert replies[4].error_message.startswith("INVALID_ARGUMENT")
     good = replies[:4] + replies[5:]
@@ -215,17 +215,13 @@ def test_a_cancelled_stream_drops_its_requests(rng):
         assert srv.wait_ready()
         with grpc.insecure_channel(srv.url) as ch:
             stub = pb_grpc.GRPCInferenceServiceStub(ch)
-
-            def executions() -> int:
-                return stub.ModelStatistics(pb.ModelStatisticsRequest(name="voxnet")).model_stats[0].execution_count
-
-            before = executions()
+            before = _executions(stub)
             call = stub.ModelStreamInfer(sent())
             time.sleep(0.5)  # taken in and queued, waiting for the batch to fill
             call.cancel()
             hold.set()
             time.sleep(2.0)  # past the queue delay: a request still queued would have run by now
-            assert executions() == before
+            assert _executions(stub) == before
 
 
 def test_async_client_streams_requests_and_gets_outputs_in_order(server, rng):
