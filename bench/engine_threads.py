@@ -23,9 +23,7 @@ import threading
 import time
 from pathlib import Path
 
-from voxserve.testing.load import ServerProcess
-
-HZ = os.sysconf("SC_CLK_TCK")
+from voxserve.testing.load import ServerProcess, proc_stat, stat_cpu_seconds
 
 
 def engine_pid(server: ServerProcess) -> int:
@@ -41,12 +39,10 @@ def thread_stats(pid: int) -> dict[int, tuple[str, float, int]]:
     out = {}
     for task in Path(f"/proc/{pid}/task").iterdir():
         try:
-            stat = (task / "stat").read_text()
+            name, fields = proc_stat(task / "stat")
         except OSError:
             continue
-        name = stat[stat.index("(") + 1 : stat.rindex(")")]
-        fields = stat.rpartition(")")[2].split()
-        out[int(task.name)] = (name, (int(fields[11]) + int(fields[12])) / HZ, int(fields[36]))
+        out[int(task.name)] = (name, stat_cpu_seconds(fields), int(fields[36]))  # 36: the core it last ran on
     return out
 
 

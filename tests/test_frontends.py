@@ -26,6 +26,7 @@ from voxserve.server.remote import RemoteRunner
 from voxserve.server.replicas import cgroup_cpu_quota, resolve_frontends, usable_cpus
 from voxserve.server.runner import BatchingConfig
 from voxserve.server.settings import Settings, add_arguments, from_namespace, validate
+from voxserve.testing.load import proc_stat
 
 from .conftest import serve_process
 from .test_lifecycle import _metric, _wait_for
@@ -448,8 +449,7 @@ def test_children_stop_when_the_supervisor_is_killed(tmp_path):
 
         def gone(pid: int) -> bool:
             try:
-                with open(f"/proc/{pid}/stat") as f:
-                    return f.read().split(") ")[1].startswith("Z")  # a zombie has exited
+                return proc_stat(f"/proc/{pid}/stat")[1][0] == "Z"  # a zombie has exited
             except FileNotFoundError:
                 return True
 

@@ -46,10 +46,21 @@ def _proc_status(pid: int, key: str) -> float:
     return 0.0
 
 
+def proc_stat(path: str | Path) -> tuple[str, list[str]]:
+    """A process's or thread's stat file (/proc/<pid>/stat, /proc/<pid>/task/<tid>/stat): its command name
+    and the fields after the name (state first), split the way the name's own spaces and parentheses allow."""
+    text = Path(path).read_text()
+    return text[text.index("(") + 1 : text.rindex(")")], text[text.rindex(")") + 1 :].split()
+
+
+def stat_cpu_seconds(fields: list[str]) -> float:
+    """User + system CPU seconds from proc_stat's fields."""
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def cpu_seconds(pid: int) -> float:
     """User + system CPU seconds a live process has used, all its threads (/proc/<pid>/stat)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return stat_cpu_seconds(proc_stat(f"/proc/{pid}/stat")[1])
 
 
 class ServerProcess:
