@@ -101,7 +101,7 @@ def main() -> int:
     pinned = "" if args.pin is None else f", engine pinned to cores {args.pin}"
     report = "\n".join([
         f"# Engine threads: `serve {args.config}`{pinned}",
-        "", f"- date: {now}; {os.cpu_count()} CPU cores", f"- command: `python {' '.join(sys.argv)}`",
+        "", f"- date: {now}; {os.cpu_count()} CPU cores", f"- command: `python {shlex.join(sys.argv)}`",
         f"- client: `voxserve bench {args.bench}`", "",
         "| req/s | engine CPU | engine threads (share of a core; cores seen on) |", "|---:|---|---|", *rows])
     print(report)

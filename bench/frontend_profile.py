@@ -13,6 +13,7 @@ import argparse
 import asyncio
 import datetime
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -81,7 +82,7 @@ def main() -> int:
     lines = ["# Small-request cost in the server process (CPU)", "",
              f"- date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC; {os.cpu_count()} CPU "
              "cores; server in a child process, load generator on the same machine",
-             f"- command: `python bench/frontend_profile.py {' '.join(sys.argv[1:])}`",
+             f"- command: `python bench/frontend_profile.py {shlex.join(sys.argv[1:])}`",
              f"- requests of {SHAPE} FP32 (compute is negligible), 64 outstanding, {args.seconds:.0f} s", "",
              "| batching | req/s | p50 ms | p99 ms |", "|---|---:|---:|---:|"]
     for batching, r in rows:

@@ -15,6 +15,7 @@ import datetime
 import gc
 import json
 import os
+import shlex
 import subprocess
 import sys
 import time
@@ -67,7 +68,7 @@ def main() -> int:
     report = "\n".join([
         "# Full garbage collections in a serving process", "",
         f"- date: {now}; {os.cpu_count()} CPU cores; server on the CPU in this process, client in a child",
-        f"- command: `python {' '.join(sys.argv)}`",
+        f"- command: `python {shlex.join(sys.argv)}`",
         f"- load: `voxserve bench --batch 1 --concurrency 64 --duration {args.seconds:g}`", "",
         "| start-up objects | req/s | p99 ms | full collections | each one's pause, ms |",
         "|---|---:|---:|---:|---|", *rows])
