@@ -95,8 +95,9 @@ def test_max_batch_and_shapes_bound_a_batch():
         return model.batches
 
     batches = asyncio.run(_with_batcher(go))
-    # 3+3 fit max_batch 8, the third 3 does not; other shapes and datatypes never merge; 20 > 8 runs alone
-    assert sorted(batches[1:]) == sorted([6, 3, 2, 1, 20])
+    # 3+3 fit max_batch 8, the third 3 does not; other shapes and datatypes never merge; 20 > 8 runs alone, in
+    # chunks of max_batch
+    assert sorted(batches[1:]) == sorted([6, 3, 2, 1, 8, 8, 4])
 
 
 def test_expired_and_cancelled_requests_never_run():
