@@ -6,6 +6,17 @@ import grpc
 
 from .batching import DeadlineExceeded, QueueFull
 
+# A client's string quoted in an error message is cut to this many characters: the message travels in the
+# status trailer, and a long one would turn the intended code into the transport's RESOURCE_EXHAUSTED.
+SHOWN_CHARS = 64
+
+
+def shown(text: str, limit: int = SHOWN_CHARS) -> str:
+    """``text`` as quoted in an error message: at most ``limit`` characters, then '...' and the full length."""
+    if len(text) <= limit:
+        return text
+    return f"{text[:limit]}... ({len(text)} characters)"
+
 
 class ServingError(Exception):
     """A request-level failure the client is told about with ``code`` and ``message``."""

@@ -25,6 +25,7 @@ from voxserve.server.stats import ModelStats
 
 from .conftest import REPO, serve_process
 from .test_lifecycle import _metric, _wait_for
+from .test_shared_memory import _segment, replace_segment
 
 W, B = reference_weights()
 
@@ -89,6 +90,66 @@ def test_shared_registry_is_one_registry_across_processes(tmp_path):
         assert [r.name for r in b.status("")] == ["in"]
         b.unregister("")
         assert a.status("") == [] and os.listdir(shared) == []
+
+
+def test_replicas_refuse_a_recreated_segment_alike(tmp_path):
+    """a registered the segment (and holds its file open), b opened it on first use, c never opened it: once the
+    segment is recreated under the same name, none serves old or new data until the region is registered again."""
+    shared = str(tmp_path)
+    a, b, c = (SharedMemoryRegistry(shared_dir=shared) for _ in range(3))
+    with _segment(b"\x01" * 64) as (key, path):
+        a.register("in", key, 0, 64)
+        assert bytes(a.read("in", 0, 4, "input")) == bytes(b.read("in", 0, 4, "input")) == b"\x01" * 4
+        replace_segment(path, b"\x02" * 64)
+        for reg in (a, b, c):
+            with pytest.raises(ServingError) as err:
+                reg.read("in", 0, 4, "input")
+            assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT and "was recreated" in err.value.message
+            with pytest.raises(ServingError) as err:
+                reg.write("in", 0, b"\x03", "output")
+            assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT and "was recreated" in err.value.message
+        c.unregister("in")
+        c.register("in", key, 0, 64)
+        for reg in (a, b, c):
+            assert bytes(reg.read("in", 0, 4, "input")) == b"\x02" * 4
+        os.unlink(path)
+        for reg in (a, b, c):
+            with pytest.raises(ServingError) as err:
+                reg.read("in", 0, 4, "input")
+            assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT and "was removed" in err.value.message
+        a.unregister("")
+    for reg in (a, b, c):
+        reg.close()
+
+
+def test_two_replicas_refuse_a_recreated_segment_over_every_connection(tmp_path):
+    with serve_process(tmp_path / "server.log", "--device", "cpu", "--replicas", "2", "--grace-period-s", "20") as srv:
+        _wait_for(lambda: _metric(srv.metrics_port, "voxserve_model_ready") == 1.0, 240, "both replicas ready")
+        clients = [Client(srv.url, timeout_s=60) for _ in range(16)]  # 16 connections: the kernel spreads them
+        x1 = np.ones((2, 3, 5, 6, 7), np.float32)
+        x2 = np.full(x1.shape, -2.0, np.float32)
+        ref1, ref2 = (reference_float64(torch.from_numpy(x), W, B) for x in (x1, x2))
+        with _segment(x1.tobytes()) as (key, path):
+            clients[0].register_system_shared_memory("rep_in", key, x1.nbytes)
+            for c in clients:  # every replica opens the segment
+                assert relative_error(torch.from_numpy(c.infer_shared_memory(x1.shape, "rep_in")), ref1) <= 1e-5
+            replace_segment(path, x2.tobytes())
+            for c in clients:
+                with pytest.raises(InferenceError) as err:
+                    c.infer_shared_memory(x1.shape, "rep_in")
+                assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT and "was recreated" in err.value.message
+            clients[7].unregister_system_shared_memory("rep_in")
+            clients[7].register_system_shared_memory("rep_in", key, x2.nbytes)
+            for c in clients:
+                assert relative_error(torch.from_numpy(c.infer_shared_memory(x1.shape, "rep_in")), ref2) <= 1e-5
+            clients[0].unregister_system_shared_memory("rep_in")
+        for c in clients:
+            c.close()
+        srv.proc.send_signal(signal.SIGTERM)
+        assert srv.proc.wait(timeout=60) == 0
+    # Both replicas answered (all 16 connections on one replica: probability 2^-15).
+    admitted = [int(n) for n in re.findall(r"stopped: (\d+) requests admitted", srv.log)]
+    assert len(admitted) == 2 and min(admitted) > 0 and sum(admitted) == 3 * 16, admitted
 
 
 def test_two_replicas_share_a_port_regions_and_metrics(tmp_path):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import uuid
 
@@ -31,6 +32,27 @@ def client(server):
     with Client(server.url) as c:
         yield c
         c.unregister_system_shared_memory()
+
+
+@contextlib.contextmanager
+def _segment(data: bytes):
+    """A segment under /dev/shm written directly (so a test can replace it), as (key, path); removed at the end."""
+    name = _name("vox_seg")
+    path = f"/dev/shm/{name}"
+    replace_segment(path, data)
+    try:
+        yield "/" + name, path
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+
+
+def replace_segment(path: str, data: bytes) -> None:
+    """Put a new file with ``data`` under ``path``, as a client that unlinks its segment and creates it again. The
+    new file exists while the old one does, so it is another inode whatever the file system reuses."""
+    with open(path + ".new", "wb") as f:
+        f.write(data)
+    os.rename(path + ".new", path)
 
 
 def _code(fn) -> tuple[grpc.StatusCode, str]:
@@ -174,3 +196,64 @@ def test_reads_land_in_the_allocators_memory_and_survive_an_unregister_meanwhile
         with pytest.raises(Exception, match="not registered"):
             registry.read("r", 0, 1, "input 'x'")
     registry.close()
+
+
+def test_a_recreated_or_removed_segment_is_refused_until_registered_again(client):
+    """The server keeps the registered file open; a segment recreated under the same name (or removed) must not
+    be served silently from the old file, nor written to: refused until the region is registered again."""
+    x1 = np.ones(SHAPE, np.float32)
+    x2 = np.full(SHAPE, -2.0, np.float32)
+    out_bytes = SHAPE[0] * 16 * 4
+    ref1, ref2 = (reference_float64(torch.from_numpy(x), W, B) for x in (x1, x2))
+    with _segment(x1.tobytes()) as (key, path), _segment(bytes(out_bytes)) as (out_key, out_path):
+        client.register_system_shared_memory("in", key, x1.nbytes)
+        client.register_system_shared_memory("out", out_key, out_bytes)
+        assert relative_error(torch.from_numpy(client.infer_shared_memory(SHAPE, "in")), ref1) <= 1e-5
+
+        replace_segment(path, x2.tobytes())
+        code, message = _code(lambda: client.infer_shared_memory(SHAPE, "in"))
+        assert code == grpc.StatusCode.INVALID_ARGUMENT, (code, message)
+        assert f"segment '{key}' was recreated after region 'in' was registered" in message, message
+        assert "register the region again" in message
+        assert client.system_shared_memory_status("in") == {"in": (key, 0, x1.nbytes)}  # still registered
+        client.unregister_system_shared_memory("in")
+        client.register_system_shared_memory("in", key, x2.nbytes)
+        assert relative_error(torch.from_numpy(client.infer_shared_memory(SHAPE, "in")), ref2) <= 1e-5
+
+        # Writes are checked the same way: the output does not go to the file the client no longer has.
+        replace_segment(out_path, bytes(out_bytes))
+        code, message = _code(lambda: client.infer_shared_memory(SHAPE, "in", output_region="out"))
+        assert code == grpc.StatusCode.INVALID_ARGUMENT and "was recreated" in message, (code, message)
+        os.unlink(out_path)
+        code, message = _code(lambda: client.infer_shared_memory(SHAPE, "in", output_region="out"))
+        assert code == grpc.StatusCode.INVALID_ARGUMENT, (code, message)
+        assert f"segment '{out_key}' was removed after region 'out' was registered" in message, message
+
+
+def test_names_and_keys_with_a_trailing_newline_are_refused(client):
+    with SharedMemoryBuffer(_name("vox_nl"), 64) as buf:
+        code, message = _code(lambda: client.register_system_shared_memory("r\n", buf.key, 16))
+        assert code == grpc.StatusCode.INVALID_ARGUMENT and "region name 'r\\n'" in message, (code, message)
+        code, message = _code(lambda: client.register_system_shared_memory("r", buf.key + "\n", 16))
+        assert code == grpc.StatusCode.INVALID_ARGUMENT and "not a path" in message, (code, message)
+        assert client.system_shared_memory_status() == {}
+
+
+def test_long_names_and_keys_are_cut_in_error_messages(client):
+    """A 16,000-character value quoted whole would overflow the status trailer (the client would see the
+    transport's RESOURCE_EXHAUSTED instead of the server's answer)."""
+    long = "a" * 16000
+    with SharedMemoryBuffer(_name("vox_long"), 64) as buf:
+        cases = [
+            (lambda: client.register_system_shared_memory(long, buf.key, 16), grpc.StatusCode.INVALID_ARGUMENT,
+             "region name"),
+            (lambda: client.register_system_shared_memory("r", long, 16), grpc.StatusCode.INVALID_ARGUMENT,
+             "not a path"),
+            (lambda: client.unregister_system_shared_memory(long), grpc.StatusCode.NOT_FOUND, "is not registered"),
+            (lambda: client.system_shared_memory_status(long), grpc.StatusCode.NOT_FOUND, "is not registered"),
+            (lambda: client.infer_shared_memory(SHAPE, long), grpc.StatusCode.NOT_FOUND, "is not registered"),
+        ]
+        for fn, want, fragment in cases:
+            code, message = _code(fn)
+            assert code == want and fragment in message, (code, message[:300])
+            assert len(message) < 300 and "a" * 64 + "... (16000 characters)" in message, message[:300]
