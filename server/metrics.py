@@ -6,16 +6,23 @@ Each server owns its registry, so several servers can live in one process (tests
 
 from __future__ import annotations
 
+import io
 import itertools
 import logging
+import socket
+import threading
+import time
 from collections.abc import Sequence
 from typing import NamedTuple
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, make_wsgi_app
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from voxserve import __version__
+
+from .ports import bind_address
 
 log = logging.getLogger(__name__)
 
@@ -24,6 +31,8 @@ LATENCY_BUCKETS_S: Sequence[float] = (
     0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
 )  # fmt: skip
 BATCH_BUCKETS: Sequence[float] = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
+# The model label of requests for a model that is not served here.
+UNKNOWN_MODEL = "unknown"
 
 
 def parse_buckets(text: str) -> tuple[float, ...]:
@@ -138,21 +147,178 @@ class Metrics:
         self._requests_by_code: dict[str, object] = {}
         for reason in ("out_of_memory", "device_error"):  # present from the start, so rates and alerts see 0
             self.execution_failures.labels(model, reason)
+        self.http_server: MetricsHTTPServer | None = None
         self.gpu_collector = NvmlCollector.create() if gpu_metrics else None
         if self.gpu_collector is not None:
             r.register(self.gpu_collector)
 
-    def count_request(self, code: str) -> None:
-        """voxserve_requests{model, code} += 1."""
-        series = self._requests_by_code.get(code)
+    def count_request(self, code: str, served: bool = True) -> None:
+        """voxserve_requests{model, code} += 1; ``served=False``: the request named a model (or version) not served
+        here, counted as model="unknown" (one label value, however many names clients make up)."""
+        key = code if served else "unknown " + code
+        series = self._requests_by_code.get(key)
         if series is None:
-            series = self._requests_by_code[code] = self.requests.labels(self.model, code)
+            series = self._requests_by_code[key] = self.requests.labels(self.model if served else UNKNOWN_MODEL, code)
         series.inc()
 
     def set_build(self, device: str, kernel: str) -> None:
         self.build_info.labels(__version__, device, kernel).set(1)
 
     def serve_http(self, host: str, port: int) -> int:
-        """Expose /metrics over HTTP on a daemon thread; return the bound port."""
-        server, _thread = start_http_server(port, addr=host, registry=self.registry)
-        return int(server.server_port)
+        """Expose /metrics over HTTP (serve_metrics_http) on daemon threads; return the bound port."""
+        self.http_server = serve_metrics_http(self.registry, host, port)
+        return self.http_server.port
+
+    def stop_http(self) -> None:
+        """Stop serving /metrics and free its port (no-op when serve_http was not called)."""
+        server, self.http_server = self.http_server, None
+        if server is not None:
+            server.close()
+
+
+# /metrics is for a few scrapers, not for the public: each connection gets a thread, so at most this many are
+# served at once and each has this long in all, from accept to the last byte of its answer (a scrape of our
+# few kilobytes takes milliseconds; Prometheus's default scrape timeout is 10 s).
+HTTP_MAX_CONNECTIONS = 8
+HTTP_CONNECTION_TIMEOUT_S = 5.0
+# What a connection beyond HTTP_MAX_CONNECTIONS gets, written without blocking before it is closed.
+_BUSY_BODY = b"metrics server busy: too many open connections\n"
+_BUSY_RESPONSE = (b"HTTP/1.0 503 Service Unavailable\r\nContent-Type: text/plain; charset=utf-8\r\nRetry-After: 1\r\n"
+                  b"Connection: close\r\nContent-Length: %d\r\n\r\n%s" % (len(_BUSY_BODY), _BUSY_BODY))
+
+
+class _DeadlineSocketIO(io.RawIOBase):
+    """A connection's reads and writes, each given what is left of one deadline as its socket timeout, so a
+    client that sends or reads a byte at a time still loses the connection at the deadline."""
+
+    def __init__(self, sock: socket.socket, deadline: float) -> None:
+        self._sock = sock
+        self._deadline = deadline
+
+    def readable(self) -> bool:
+        return True
+
+    def writable(self) -> bool:
+        return True
+
+    def _arm(self) -> None:
+        left = self._deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError("metrics connection deadline passed")
+        self._sock.settimeout(left)
+
+    def readinto(self, buffer) -> int:
+        self._arm()
+        return self._sock.recv_into(buffer)
+
+    def write(self, data) -> int:
+        self._arm()
+        self._sock.sendall(data)
+        return len(data)
+
+
+class _ErrorLog(io.TextIOBase):
+    """A request's WSGI error stream (a collector that raised, a reply cut off), into this module's log."""
+
+    def __init__(self) -> None:
+        self._parts: list[str] = []
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, text: str) -> int:
+        self._parts.append(text)
+        return len(text)
+
+    def flush(self) -> None:
+        text = "".join(self._parts).rstrip()
+        self._parts.clear()
+        if text:
+            log.error("metrics request failed: %s", text)
+
+
+class _MetricsRequestHandler(WSGIRequestHandler):
+    """wsgiref's handler (one request per connection) under the server's deadline, logging nothing per request."""
+
+    server: MetricsHTTPServer
+
+    def setup(self) -> None:
+        super().setup()
+        raw = _DeadlineSocketIO(self.connection, time.monotonic() + self.server.timeout_s)
+        self.rfile = io.BufferedReader(raw)
+        self.wfile = raw
+
+    def log_message(self, format, *args) -> None:
+        pass
+
+    def get_stderr(self) -> _ErrorLog:
+        return _ErrorLog()
+
+
+class MetricsHTTPServer(WSGIServer):
+    """prometheus_client's WSGI app (content negotiation, gzip, ``name[]`` filters) behind a server that
+    bounds what clients can hold: ``max_connections`` served at once, each on a daemon thread and within
+    ``timeout_s``; a connection beyond them is answered 503 at once and closed."""
+
+    request_queue_size = 256  # a burst of connections waits in the kernel's queue, not in SYN retries
+
+    def __init__(self, registry: Collector, host: str, port: int, timeout_s: float, max_connections: int) -> None:
+        self.address_family, bare = bind_address(host)
+        self.timeout_s = timeout_s
+        self._slots = threading.BoundedSemaphore(max_connections)
+        super().__init__((bare, port), _MetricsRequestHandler)
+        self.set_app(make_wsgi_app(registry))
+        self.port = int(self.server_address[1])
+        self._thread = threading.Thread(target=self.serve_forever, name="voxserve-metrics-http", daemon=True)
+
+    def process_request(self, request, client_address) -> None:
+        if not self._slots.acquire(blocking=False):
+            self._refuse(request)
+            return
+        try:
+            threading.Thread(target=self._serve_one, args=(request, client_address), name="voxserve-metrics-conn",
+                             daemon=True).start()
+        except BaseException:
+            self._slots.release()
+            self.shutdown_request(request)
+            raise
+
+    def _serve_one(self, request, client_address) -> None:
+        try:
+            self.finish_request(request, client_address)
+        except Exception:
+            self.handle_error(request, client_address)
+        finally:
+            # Released before the close, so a client that has seen the close can connect again and be served.
+            self._slots.release()
+            self.shutdown_request(request)
+
+    def _refuse(self, request: socket.socket) -> None:
+        request.setblocking(False)  # the accepting thread must never wait on a client
+        try:
+            request.send(_BUSY_RESPONSE)
+            request.recv(65536)  # what the client has sent already: left unread, the close would reset the 503
+        except OSError:
+            pass
+        self.shutdown_request(request)
+
+    def handle_error(self, request, client_address) -> None:
+        log.debug("metrics connection from %s failed", client_address, exc_info=True)
+
+    def start(self) -> None:
+        """Serve on a daemon thread."""
+        self._thread.start()
+
+    def close(self) -> None:
+        """Stop accepting and free the port; connections being served finish within their timeout."""
+        if self._thread.is_alive():
+            self.shutdown()
+        self.server_close()
+
+
+def serve_metrics_http(registry: Collector, host: str, port: int, timeout_s: float = HTTP_CONNECTION_TIMEOUT_S,
+                       max_connections: int = HTTP_MAX_CONNECTIONS) -> MetricsHTTPServer:
+    """Serve ``registry`` at /metrics on host:port (0: a free port, then ``.port``) until ``.close()``."""
+    server = MetricsHTTPServer(registry, host, port, timeout_s, max_connections)
+    server.start()
+    return server

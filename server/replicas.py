@@ -21,6 +21,8 @@ channels (``voxserve bench --connections``).
 
 If a replica exits on its own, the supervisor stops the others and exits non-zero, so the orchestrator
 restarts the whole server; SIGTERM/SIGINT are passed on and each replica drains as a single server does.
+A gRPC or metrics port that another server holds ends the supervisor (exit 1) before it binds or starts
+anything: its replicas share only the port group it created (server/ports.py).
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from .ports import PortInUse, bind_address, ensure_free
 from .settings import AUTO, Settings, env_name
 
 log = logging.getLogger("voxserve.replicas")
@@ -73,12 +76,11 @@ def die_with_supervisor() -> None:
 def reserve_port(host: str, port: int) -> socket.socket:
     """Bind (not listen) a SO_REUSEPORT socket on host:port: fixes the port when it is 0 and keeps it ours
     while the replicas bind it too (they set SO_REUSEPORT as well; only listening sockets get connections)."""
-    host = host.strip("[]")  # gRPC spells IPv6 addresses in brackets
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    family, bare = bind_address(host)
     sock = socket.socket(family, socket.SOCK_STREAM)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-        sock.bind((host, port))
+        sock.bind((bare, port))
     except BaseException:
         sock.close()
         raise
@@ -205,6 +207,14 @@ def supervise(settings: Settings, command: Sequence[str] | None = None) -> int:
     """Run ``settings.replicas`` replicas until SIGTERM/SIGINT (passed on) or until one exits on its own."""
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     command = list(command) if command is not None else [sys.executable, "-m", "voxserve", "serve"]
+    try:
+        # Before anything binds: the reserved socket below sets SO_REUSEPORT and would join a port that
+        # another server holds instead of failing on it.
+        ensure_free(settings.host, settings.grpc_port, "--grpc-port")
+        ensure_free(settings.host, settings.metrics_port, "--metrics-port")
+    except PortInUse as exc:
+        log.error("start-up failed: %s", exc)
+        return 1
     run_dir = tempfile.mkdtemp(prefix="voxserve-replicas-")
     os.makedirs(os.path.join(run_dir, "metrics"))
     os.makedirs(os.path.join(run_dir, "regions"))
@@ -215,6 +225,10 @@ def supervise(settings: Settings, command: Sequence[str] | None = None) -> int:
     metrics_server = None
     try:
         assignments = replica_devices(settings, settings.replicas, _gpu_count())
+        if settings.metrics_port >= 0:  # bound before any child starts, so a failure here leaves none behind
+            metrics_server, bound = _serve_metrics(settings.host, settings.metrics_port, run_dir)
+            log.info("metrics of %d processes on %s:%d", len(assignments) + settings.frontends, settings.host,
+                     bound)
         sockets = [os.path.join(run_dir, f"engine-{i}.sock") for i in range(len(assignments))]
         for i, (device, devices) in enumerate(assignments):
             env = child_environment(settings, run_dir, i, device, devices, port)
@@ -229,9 +243,6 @@ def supervise(settings: Settings, command: Sequence[str] | None = None) -> int:
             env.update({ROLE_ENV: "frontend", ENGINES_ENV: os.pathsep.join(sockets), "CUDA_VISIBLE_DEVICES": ""})
             children.append(subprocess.Popen(command, env=env))
             log.info("front end %d (pid %d), gRPC port %d", j, children[-1].pid, port)
-        if settings.metrics_port >= 0:
-            metrics_server, bound = _serve_metrics(settings.host, settings.metrics_port, run_dir)
-            log.info("metrics of %d replicas on %s:%d", len(children), settings.host, bound)
 
         stop_by: list[float] = []  # when children still running after a stop began are killed
 
@@ -269,22 +280,22 @@ def supervise(settings: Settings, command: Sequence[str] | None = None) -> int:
                 child.kill()
                 child.wait()
         if metrics_server is not None:
-            metrics_server.shutdown()
+            metrics_server.close()
         reserved.close()
         shutil.rmtree(run_dir, ignore_errors=True)
 
 
 def _serve_metrics(host: str, port: int, run_dir: str):
     """The replicas' metrics, summed by prometheus_client's multiprocess collector, plus NVML GPU metrics."""
-    from prometheus_client import CollectorRegistry, start_http_server
+    from prometheus_client import CollectorRegistry
     from prometheus_client.multiprocess import MultiProcessCollector
 
-    from .metrics import NvmlCollector
+    from .metrics import NvmlCollector, serve_metrics_http
 
     registry = CollectorRegistry()
     MultiProcessCollector(registry, path=os.path.join(run_dir, "metrics"))
     gpus = NvmlCollector.create()
     if gpus is not None:
         registry.register(gpus)
-    server, _thread = start_http_server(port, addr=host, registry=registry)
-    return server, int(server.server_port)
+    server = serve_metrics_http(registry, host, port)
+    return server, server.port
