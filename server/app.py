@@ -9,13 +9,15 @@ import os
 import signal
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
+from grpc_health.v1 import health_pb2
+from grpc_reflection.v1alpha import reflection, reflection_pb2
 
-from . import security
+from . import ports, security
 from . import weights as weights_io
+from .admission import RpcLimiter
 from .codec import ModelSpec
 from .engine import build_models, load_weights, run_engine
+from .health import HealthServicer
 from .heap import freeze_startup_objects
 from .ipc import Arena
 from .metrics import Metrics, latency_buckets
@@ -39,6 +41,13 @@ from .shm import SharedMemoryRegistry
 
 log = logging.getLogger("voxserve")
 
+# Server reflection v1 is v1alpha under another name (the same messages, field for field): grpcurl and newer
+# tools ask for v1 first, grpcio-reflection serves v1alpha.
+REFLECTION_V1 = "grpc.reflection.v1.ServerReflection"
+HEALTH_SERVICE = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
+# gRPC's compression algorithms: bit 0 is identity (none), the others gzip and deflate.
+IDENTITY_ONLY = 1
+
 
 class VoxServer:
     """One voxserve instance: a grpc.aio server, its model and its metrics.
@@ -55,25 +64,32 @@ class VoxServer:
         replica_dir = os.environ.get(REPLICA_DIR_ENV)  # one of --replicas: the supervisor serves GPU metrics
         self.metrics = Metrics(settings.model_name, latency_buckets(settings.latency_buckets_s),
                                gpu_metrics=replica_dir is None)
-        self.health = health.aio.HealthServicer()
+        self.health = HealthServicer(settings.stream_idle_timeout_s)
         options = [
             ("grpc.max_receive_message_length", settings.max_message_bytes),
             ("grpc.max_send_message_length", settings.max_message_bytes),
-            # One connection cannot open more streams than the whole server may serve.
-            ("grpc.max_concurrent_streams", settings.max_concurrent_rpcs),
+            # One connection holds at most this share of --max-concurrent-rpcs.
+            ("grpc.max_concurrent_streams", settings.max_streams_per_connection),
             # Find dead peers (a vanished or stalled client) and free what their calls hold.
             ("grpc.keepalive_time_ms", 60_000),
             ("grpc.keepalive_timeout_ms", 20_000),
         ]
+        if not settings.grpc_compression:  # a compressed message is refused from its headers, never inflated
+            options.append(("grpc.compression_enabled_algorithms_bitset", IDENTITY_ONLY))
+        if not replica_dir:  # a server of its own: no other process may join its port (SO_REUSEPORT)
+            options.append(("grpc.so_reuseport", 0))
         interceptors = []
         if settings.auth_token_file:
             open_methods = security.HEALTH_METHODS if settings.open_health else frozenset()
             interceptors.append(security.TokenAuthInterceptor(security.load_tokens(settings.auth_token_file),
-                                                              open_methods, self._count_rejection))
+                                                              open_methods,
+                                                              self._refusal_counter(grpc.StatusCode.UNAUTHENTICATED)))
         self._credentials = security.server_credentials(settings.tls_cert or None, settings.tls_key or None,
                                                         settings.tls_client_ca or None)
-        self.server = grpc.aio.server(options=options, maximum_concurrent_rpcs=settings.max_concurrent_rpcs,
-                                      interceptors=interceptors)
+        # --max-concurrent-rpcs is applied to the handlers (server/admission.py), after the token check.
+        self.server = grpc.aio.server(options=options, interceptors=interceptors)
+        self.limiter = RpcLimiter(settings.max_concurrent_rpcs,
+                                  self._refusal_counter(grpc.StatusCode.RESOURCE_EXHAUSTED))
         self.shm = SharedMemoryRegistry(settings.max_shm_regions, settings.max_shm_bytes,
                                         os.path.join(replica_dir, "regions") if replica_dir else None)
         if replica_dir:
@@ -85,13 +101,9 @@ class VoxServer:
         self._engines = [p for p in engines.split(os.pathsep) if p]
         self._publish_task: asyncio.Task[None] | None = None
         self.service = InferenceService(self.state, self.metrics, settings.model_name, settings.model_version,
-                                        self.shm)
-        add_to_server(self.service, self.server)
-        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
-        reflection.enable_server_reflection(
-            (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
-            self.server,
-        )
+                                        self.shm, settings.stream_idle_timeout_s, settings.max_shm_inflight_bytes)
+        add_to_server(self.service, self.server, self.limiter)
+        self._add_health_and_reflection()
         self.port = 0
         self.metrics_port = -1
         self._ready = asyncio.Event()
@@ -100,9 +112,36 @@ class VoxServer:
         self._weights: weights_io.Weights | None = None
         self._lost_task: asyncio.Task[None] | None = None
 
-    def _count_rejection(self, method: str) -> None:
-        if method.endswith(("/ModelInfer", "/ModelStreamInfer")):
-            self.metrics.count_request(grpc.StatusCode.UNAUTHENTICATED.name)
+    def _add_health_and_reflection(self) -> None:
+        """grpc.health.v1 and server reflection (v1 and v1alpha), their handlers under the RPC limit too."""
+        def handler(kind, behavior, request_cls, response_cls):
+            return kind(behavior, request_deserializer=request_cls.FromString,
+                        response_serializer=response_cls.SerializeToString)
+
+        health_handlers = {
+            "Check": handler(grpc.unary_unary_rpc_method_handler, self.health.Check,
+                             health_pb2.HealthCheckRequest, health_pb2.HealthCheckResponse),
+            "Watch": handler(grpc.unary_stream_rpc_method_handler, self.health.Watch,
+                             health_pb2.HealthCheckRequest, health_pb2.HealthCheckResponse),
+        }
+        reflector = reflection.aio.ReflectionServicer(
+            (SERVICE_NAME, HEALTH_SERVICE, reflection.SERVICE_NAME, REFLECTION_V1))
+        reflection_handlers = {"ServerReflectionInfo": handler(
+            grpc.stream_stream_rpc_method_handler, reflector.ServerReflectionInfo,
+            reflection_pb2.ServerReflectionRequest, reflection_pb2.ServerReflectionResponse)}
+        self.server.add_generic_rpc_handlers((
+            self.limiter.service(HEALTH_SERVICE, health_handlers),
+            self.limiter.service(reflection.SERVICE_NAME, reflection_handlers),
+            self.limiter.service(REFLECTION_V1, reflection_handlers),
+        ))
+
+    def _refusal_counter(self, code: grpc.StatusCode):
+        """A callback that counts an inference call refused before its handler ran (a bad token, the RPC limit)."""
+        def count(method: str) -> None:
+            if method.endswith(("/ModelInfer", "/ModelStreamInfer")):
+                self.metrics.count_request(code.name)
+
+        return count
 
     async def start(self) -> int:
         """Read the weights, bind the ports, start serving (not ready yet) and begin building the model.
@@ -110,6 +149,10 @@ class VoxServer:
         A weights file that cannot be used raises WeightsError here, before any port is open.
         """
         s = self.settings
+        if not self._replica_dir:  # a server of its own: its ports must be free (a supervisor checked its children's)
+            ports.ensure_free(s.host, s.grpc_port, "--grpc-port")
+            if s.metrics_port > 0:
+                ports.ensure_free(s.host, s.metrics_port, "--metrics-port")
         if not self._engines:  # (a front end's engines read the weights)
             self._weights = await asyncio.to_thread(load_weights, s, self.metrics)
         address = f"{s.host}:{s.grpc_port}"
@@ -200,7 +243,8 @@ class VoxServer:
         self.state.draining = True
         self.state.ready = False
         await self._set_serving(False)
-        await self.health.enter_graceful_shutdown()
+        await self.health.enter_graceful_shutdown()  # each Watch is sent NOT_SERVING and ends
+        self.service.close_streams("the server is shutting down; open a stream to another replica")
         log.info("draining: up to %.1f s for %d accepted requests", grace_s, self.state.accepted)
         # While requests are in flight the server stays open, so that new ones are answered
         # UNAVAILABLE by the servicer (retry elsewhere) instead of being cut off by the transport.
@@ -210,6 +254,7 @@ class VoxServer:
             await asyncio.sleep(0.01)
         abandoned = self.state.accepted
         await self.server.stop(max(0.0, deadline - loop.time()))
+        self.metrics.stop_http()
         if self._load_task is not None and not self._load_task.done():
             self._load_task.cancel()
         if self.state.runner is not None:
@@ -230,7 +275,7 @@ class VoxServer:
             loop.add_signal_handler(sig, stop.set)
         try:
             await self.start()
-        except weights_io.WeightsError as exc:
+        except (weights_io.WeightsError, ports.PortInUse) as exc:
             log.error("start-up failed: %s", exc)
             return 1
         ready_task = asyncio.create_task(self.wait_ready())

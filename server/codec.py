@@ -14,12 +14,15 @@ import numpy as np
 from voxserve.datatypes import INPUT_DATATYPES, ITEMSIZE, WIRE_DTYPE
 from voxserve.proto import pb
 
-from .errors import exhausted, invalid, not_found, unimplemented
+from .errors import exhausted, invalid, not_found, shown, unimplemented
 
 INPUT_NAME = "input"
 OUTPUT_NAME = "output"
 DIM_NAMES = ("N", "Cin", "D", "H", "W")
 REGION_PARAM, OFFSET_PARAM, SIZE_PARAM = "shared_memory_region", "shared_memory_offset", "shared_memory_byte_size"
+# The request id is echoed in the response: a longer one is refused, so that no client makes the server hold
+# copies of an upload it chose to make large (an unread response keeps its id in memory).
+MAX_ID_CHARS = 256
 
 
 @dataclass(frozen=True)
@@ -54,17 +57,20 @@ class InferInput:
         return int(self.array.shape[0])
 
 
-def check_model(served_name: str, served_version: str, name: str, version: str) -> None:
-    """NOT_FOUND unless (name, version) addresses the served model (an empty version means any)."""
+def check_model(served_name: str, served_version: str, name: str, version: str, reveal: bool = True) -> None:
+    """NOT_FOUND unless (name, version) addresses the served model (an empty version means any). ``reveal``:
+    whether the message may name what is served (not to a caller who may not have authenticated)."""
     if name != served_name:
-        raise not_found(f"model '{name}' is not served here; this server serves '{served_name}'")
+        served = f"; this server serves '{served_name}'" if reveal else ""
+        raise not_found(f"model '{shown(name)}' is not served here{served}")
     if version and version != served_version:
-        raise not_found(f"model '{name}' has no version '{version}'; available: '{served_version}'")
+        available = f"; available: '{served_version}'" if reveal else ""
+        raise not_found(f"model '{shown(name)}' has no version '{shown(version)}'{available}")
 
 
 def _check_shape(spec: ModelSpec, shape: list[int]) -> tuple[int, ...]:
     if len(shape) != 5:
-        raise invalid(f"input '{INPUT_NAME}' has shape {shape} (rank {len(shape)}); "
+        raise invalid(f"input '{INPUT_NAME}' has shape {shown(str(shape))} (rank {len(shape)}); "
                       f"expected rank 5: [N, {spec.cin}, D, H, W]")
     for axis, (dim, label) in enumerate(zip(shape, DIM_NAMES, strict=True)):
         if dim < 1:
@@ -108,9 +114,14 @@ def _shm_ref(parameters, what: str) -> SharedMemoryRef | None:
     return SharedMemoryRef(region.string_param, values.get(OFFSET_PARAM, 0), values.get(SIZE_PARAM))
 
 
-def input_in_shared_memory(request: pb.ModelInferRequest) -> bool:
-    """Whether the request's input names a shared-memory region (decoding it then copies the tensor)."""
-    return any(REGION_PARAM in t.parameters for t in request.inputs)
+def shared_memory_input_bytes(request: pb.ModelInferRequest) -> int | None:
+    """The bytes a request's shared-memory input declares (decoding it copies that many), or None when its input
+    is not in shared memory. Only its type is checked here; decode_request checks it against the shape."""
+    for tensor in request.inputs:
+        if REGION_PARAM in tensor.parameters:
+            ref = _shm_ref(tensor.parameters, f"input '{shown(tensor.name)}'")
+            return ref.byte_size or 0
+    return None
 
 
 def decode_request(request: pb.ModelInferRequest, spec: ModelSpec, shm=None,
@@ -122,23 +133,24 @@ def decode_request(request: pb.ModelInferRequest, spec: ModelSpec, shm=None,
         raw_contents = request.raw_input_contents
     check_model(spec.name, spec.version, request.model_name, request.model_version)
     if len(request.inputs) != 1:
-        names = [t.name for t in request.inputs]
+        names = shown(str([t.name for t in request.inputs]))
         raise invalid(f"request has {len(request.inputs)} inputs {names}; model '{spec.name}' takes exactly one, "
                       f"'{INPUT_NAME}'")
     tensor = request.inputs[0]
     if tensor.name != INPUT_NAME:
-        raise invalid(f"unknown input '{tensor.name}'; model '{spec.name}' has one input, '{INPUT_NAME}'")
+        raise invalid(f"unknown input '{shown(tensor.name)}'; model '{spec.name}' has one input, '{INPUT_NAME}'")
     input_shm = _shm_ref(tensor.parameters, f"input '{INPUT_NAME}'")
     output_shm = _shm_ref(request.outputs[0].parameters, f"output '{OUTPUT_NAME}'") if request.outputs else None
     if (input_shm or output_shm) and shm is None:
         raise unimplemented("this server does not offer system shared memory")
     if tensor.datatype not in INPUT_DATATYPES:
-        raise invalid(f"input '{INPUT_NAME}' has datatype '{tensor.datatype}'; supported: "
+        raise invalid(f"input '{INPUT_NAME}' has datatype '{shown(tensor.datatype)}'; supported: "
                       f"{', '.join(INPUT_DATATYPES)}")
     requested = [o.name for o in request.outputs]
     for name in requested:
         if name != OUTPUT_NAME:
-            raise invalid(f"unknown output '{name}' requested; model '{spec.name}' has one output, '{OUTPUT_NAME}'")
+            raise invalid(f"unknown output '{shown(name)}' requested; model '{spec.name}' has one output, "
+                          f"'{OUTPUT_NAME}'")
     if len(requested) > 1:
         raise invalid(f"output '{OUTPUT_NAME}' is requested {len(requested)} times; request it at most once")
 

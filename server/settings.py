@@ -42,6 +42,10 @@ class Settings:
     max_request_samples: int = 1024
     max_request_voxels: int = 1 << 25
     max_concurrent_rpcs: int = 256
+    max_streams_per_connection: int = 64
+    stream_idle_timeout_s: float = 60.0
+    grpc_compression: bool = False
+    max_shm_inflight_bytes: int = 2 * 1024 * MiB
     grace_period_s: float = 30.0
     log_level: str = "INFO"
     latency_buckets_s: str = ""  # empty: the defaults in server/metrics.py
@@ -93,7 +97,20 @@ _FLAGS: Sequence[tuple[str, str, Any, str]] = (
      "most input voxels (N x D x H x W) one request may carry, over the wire or in shared memory "
      "(RESOURCE_EXHAUSTED above it; default: 16 reference batches)"),
     ("--max-concurrent-rpcs", "max_concurrent_rpcs", int,
-     "most RPCs served at once; further ones are refused with RESOURCE_EXHAUSTED"),
+     "most RPCs served at once, over all connections (authenticated ones: a refused token holds no slot); "
+     "further ones are refused with RESOURCE_EXHAUSTED"),
+    ("--max-streams-per-connection", "max_streams_per_connection", int,
+     "most RPCs one connection may have open at once (HTTP/2 MAX_CONCURRENT_STREAMS: a client's further calls "
+     "wait on its side), so that one connection holds at most this share of --max-concurrent-rpcs"),
+    ("--stream-idle-timeout-s", "stream_idle_timeout_s", float,
+     "a ModelStreamInfer stream with nothing in progress that receives no message for this long, and a "
+     "grpc.health.v1 Watch open this long, is closed with UNAVAILABLE (the client opens a new one); 0: never"),
+    ("--grpc-compression", "grpc_compression", "bool",
+     "accept gzip/deflate-compressed request messages (inflated up to --max-message-bytes); by default they "
+     "are refused with UNIMPLEMENTED before any byte is inflated"),
+    ("--max-shm-inflight-bytes", "max_shm_inflight_bytes", int,
+     "most bytes of shared-memory inputs copied into the server at once (over all requests in progress); a "
+     "request waits for room, one larger than this alone gets RESOURCE_EXHAUSTED"),
     ("--grace-period-s", "grace_period_s", float,
      "on SIGTERM/SIGINT: how long in-flight requests may take to finish before the server exits"),
     ("--log-level", "log_level", str, "DEBUG, INFO, WARNING or ERROR"),
@@ -193,6 +210,10 @@ def validate(s: Settings) -> None:
     need(s.max_request_samples >= 1, "--max-request-samples", s.max_request_samples, "must be >= 1")
     need(s.max_request_voxels >= 1, "--max-request-voxels", s.max_request_voxels, "must be >= 1")
     need(s.max_concurrent_rpcs >= 1, "--max-concurrent-rpcs", s.max_concurrent_rpcs, "must be >= 1")
+    need(1 <= s.max_streams_per_connection <= s.max_concurrent_rpcs, "--max-streams-per-connection",
+         s.max_streams_per_connection, f"must be 1..--max-concurrent-rpcs ({s.max_concurrent_rpcs})")
+    need(s.stream_idle_timeout_s >= 0, "--stream-idle-timeout-s", s.stream_idle_timeout_s, "must be >= 0")
+    need(s.max_shm_inflight_bytes >= 1, "--max-shm-inflight-bytes", s.max_shm_inflight_bytes, "must be >= 1")
     need(s.grace_period_s >= 0, "--grace-period-s", s.grace_period_s, "must be >= 0")
     need(0 <= s.replicas <= 64, "--replicas", s.replicas, "must be 0..64 (0: one per GPU of --devices)")
     need(s.frontends == AUTO or (isinstance(s.frontends, int) and 0 <= s.frontends <= 64), "--frontends",

@@ -108,8 +108,8 @@ def test_metadata_and_config(server):
         assert meta.name == "voxserve" and "statistics" in meta.extensions
         m = c.model_metadata()
         assert m.name == "voxnet" and list(m.versions) == ["1"]
-        assert {(t.name, t.datatype, tuple(t.shape)) for t in m.inputs} == {
-            ("input", dt, (-1, 3, -1, -1, -1)) for dt in ("FP32", "FP16", "BF16")}
+        # Each tensor once (generic v2 clients send one input per entry); the other datatypes are in the config.
+        assert [(t.name, t.datatype, tuple(t.shape)) for t in m.inputs] == [("input", "FP32", (-1, 3, -1, -1, -1))]
         assert [(t.name, t.datatype, tuple(t.shape)) for t in m.outputs] == [("output", "FP32", (-1, 16))]
         cfg = c.model_config()
         assert cfg.name == "voxnet" and cfg.max_batch_size == server.settings.max_batch
@@ -117,6 +117,7 @@ def test_metadata_and_config(server):
         assert [(o.name, list(o.dims)) for o in cfg.output] == [("output", [16])]
         assert cfg.parameters["device"].string_value == "cpu"
         assert cfg.parameters["kernel"].string_value == "reference-cpu"
+        assert cfg.parameters["accepted_input_datatypes"].string_value == "FP32,FP16,BF16"
         assert cfg.dynamic_batching.max_queue_delay_microseconds == int(server.settings.max_queue_delay_ms * 1000)
 
 
