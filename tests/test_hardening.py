@@ -403,6 +403,8 @@ def test_sigterm_with_idle_streams_open_exits_at_once_and_answers_what_was_accep
                 await busy.write(build_request(x, "voxnet", "FP32"))  # waits in the queue for 1.5 s
                 await asyncio.sleep(0.3)
                 srv.proc.send_signal(signal.SIGTERM)
+                # The streams stay open on this side, unread: the server must not wait for them (grace: 60 s).
+                assert await asyncio.to_thread(srv.proc.wait, 15) == 0
                 answer = await busy.read()  # accepted before the signal: answered
                 assert not answer.error_message and _relerr(parse_response(answer.infer_response), x) <= FP32_TOL
                 codes = []
@@ -416,7 +418,6 @@ def test_sigterm_with_idle_streams_open_exits_at_once_and_answers_what_was_accep
                     await watch.read()
 
         asyncio.run(go())
-        assert srv.proc.wait(timeout=15) == 0  # well inside the 60 s grace period
     assert "Traceback" not in srv.log and "CancelledError" not in srv.log
 
 
@@ -486,11 +487,12 @@ def _requests_total(metrics_port: int) -> collections.Counter[str]:
 
 
 def test_a_deadline_storm_is_counted_as_the_clients_saw_it(tmp_path):
-    """1000 requests with a 100 ms deadline at concurrency 50, against a server that cannot keep up: most expire
-    queued, in execution or on the way back. (The connection may open more streams than the 50 in flight: a stream
+    """1000 requests at concurrency 50, every other one with a 50 ms deadline, against a server that holds each
+    batch up to 60 ms for more (so it does not depend on how fast the host is): they expire queued, in execution or
+    on the way back, or make it. (The connection may open more streams than the 50 in flight: a stream
     the client has reset stays open on the server until its handler ends, and streams past the limit are refused by
     the transport, which the server never sees.)"""
-    with serve_process(tmp_path / "log", "--device", "cpu", "--max-batch", "4",
+    with serve_process(tmp_path / "log", "--device", "cpu", "--max-queue-delay-ms", "60",
                        "--max-streams-per-connection", "256") as srv:
         with Client(srv.url, timeout_s=5) as c:
             _wait_for(c.is_ready, 120, "the server to be ready")
@@ -507,7 +509,7 @@ def test_a_deadline_storm_is_counted_as_the_clients_saw_it(tmp_path):
                     while left[0] > 0:
                         left[0] -= 1
                         try:
-                            await stub.ModelInfer(request, timeout=0.1)
+                            await stub.ModelInfer(request, timeout=0.05 if left[0] % 2 else 5.0)
                             seen["OK"] += 1
                         except grpc.aio.AioRpcError as exc:
                             seen[exc.code().name] += 1
@@ -515,19 +517,22 @@ def test_a_deadline_storm_is_counted_as_the_clients_saw_it(tmp_path):
                 await asyncio.gather(*(worker() for _ in range(50)))
 
         asyncio.run(storm())
-        assert sum(seen.values()) == 1000 and seen["DEADLINE_EXCEEDED"] > 0
+        assert sum(seen.values()) == 1000 and seen["DEADLINE_EXCEEDED"] > 0 and seen["OK"] > 0
 
         def counted():
             after = _requests_total(srv.metrics_port)
             return {code: n for code, n in (after - before).items() if n}
 
-        _wait_for(lambda: sum(counted().values()) >= 1000, 30, "every request to be counted")
+        # A call whose deadline passes before gRPC hands it to the servicer (on the client, or waiting in gRPC's
+        # core for the event loop) ends unseen: the server counts what its servicer saw, each once, as the client did.
+        _wait_for(lambda: sum(counted().values()) >= 980, 30, "the requests to be counted")
         server = counted()
-        assert sum(server.values()) == 1000 and server.get("OK", 0) == seen["OK"], (dict(seen), server)
-        # A cancellation is the deadline's when it comes near enough to it (service.DEADLINE_SLACK_S): under CPU
-        # contention the client's and the server's clocks for one deadline drift apart, and a few are labelled
-        # CANCELLED.
+        assert server.get("OK", 0) == seen["OK"], (dict(seen), server)
         expired = server.get("DEADLINE_EXCEEDED", 0)
-        assert expired + server.get("CANCELLED", 0) == seen["DEADLINE_EXCEEDED"], (dict(seen), server)
-        assert expired >= 0.9 * seen["DEADLINE_EXCEEDED"], (dict(seen), server)
+        ended = expired + server.get("CANCELLED", 0)
+        assert 0.98 * seen["DEADLINE_EXCEEDED"] <= ended <= seen["DEADLINE_EXCEEDED"], (dict(seen), server)
+        # A cancellation is the deadline's when it comes near enough to it (service.DEADLINE_SLACK_S): under CPU
+        # contention the client's and the server's clocks for one deadline drift apart, and a few are CANCELLED.
+        assert expired >= 0.95 * seen["DEADLINE_EXCEEDED"], (dict(seen), server)
+        assert set(server) <= {"OK", "DEADLINE_EXCEEDED", "CANCELLED"}, server
     assert "Traceback" not in srv.log and "ERROR" not in srv.log
