@@ -1,21 +1,29 @@
 """The op boundary: ``fused_forward(x, weight, bias, precision="fp32") -> (N, Cout)`` float32.
 
 One custom op, ``voxserve::fused_forward``, declared once with torch.library.
-Its CPU implementation is the reference (computed in float32, in batch chunks
-so memory stays bounded); its CUDA implementation is the one-pass fused kernel
-(``kernels/csrc``), registered when that kernel is built and loaded. A fake
-(meta) implementation lets the op run under torch.compile and CUDA graphs.
+Its CPU implementation is the reference (computed in float32, in chunks of
+samples or tiles of one sample, so memory stays bounded); its CUDA
+implementation is the one-pass fused kernel (``kernels/csrc``), registered
+when that kernel is built and loaded. A fake (meta) implementation lets the
+op run under torch.compile and CUDA graphs.
 """
 
 from __future__ import annotations
+
+import itertools
 
 import torch
 
 from .reference import reference
 
-# The CPU path materialises the conv output of one chunk of samples; this caps
-# that intermediate (per chunk) whatever the batch size.
+# The CPU path materialises the conv output of one chunk of samples, or of one
+# tile of a sample too large for a chunk; this caps that intermediate whatever
+# the batch and sample sizes (peak memory: kernels/NOTES.md, "The CPU path").
 _CPU_CHUNK_BYTES = 64 * 1024 * 1024
+# The conv output of one batch of tiles of such a sample: small enough that it and the activation after it
+# stay in a 32 MiB L3 (single-threaded, 1.5x faster than 64 MiB batches), large enough that the calls are
+# few: each call's parallel regions wait on every thread, and on contended cores 2 MiB batches ran 3-8x slower.
+_CPU_TILE_BYTES = 8 * 1024 * 1024
 
 SUPPORTED_INPUT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -53,13 +61,75 @@ def check_precision(precision: str) -> None:
         raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}; got {precision!r}")
 
 
+def _ranges(size: int, parts: int) -> list[tuple[int, int]]:
+    # [start, stop) of `parts` pieces of `size` whose lengths differ by one at most.
+    q, r = divmod(size, parts)
+    bounds = [i * q + min(i, r) for i in range(parts + 1)]
+    return list(itertools.pairwise(bounds))
+
+
+def _split(size: int, min_parts: int) -> list[tuple[int, int]]:
+    # Like _ranges with at least min_parts pieces, and when split, neither piece length held by one
+    # piece alone, so every tile shape of a sample occurs at least twice (see _cpu_forward_tiled).
+    # parts == size (all of length one) always qualifies.
+    if min_parts <= 1:
+        return [(0, size)]
+    parts = next(m for m in range(min_parts, size + 1) if size % m != 1 and m - size % m != 1)
+    return _ranges(size, parts)
+
+
+def _cpu_forward_tiled(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """One sample (1, Cin, D, H, W) in tiles of its conv output; returns (Cout,) float32.
+
+    Tiles are whole output planes while one fits, else rows of a plane, else runs of one row, each at
+    most a third of the budget (_CPU_TILE_BYTES, or the cap if smaller). Output rows [d0, d1) need
+    input rows [d0, d1 + k - 1), likewise along H and W. Softmax is per voxel, so each tile's
+    probabilities are exact, and the sample's mean is the voxel-weighted mean of its tiles' means,
+    summed in float64 so that many tiles add nothing to the fp32 error bound. Tiles of one shape go to
+    ``reference`` two or more at a time (their conv output within the budget in all): torch's CPU
+    conv3d takes oneDNN for a batch, but for one sample of small depth x height it takes vol2col,
+    whose buffer is Cin*k^3/Cout times the output (5x at the reference weights) and which runs
+    several times slower. Each batch's input is converted to float32 on its own, never the sample's.
+    """
+    cout, cin, k = weight.shape[0], weight.shape[1], weight.shape[2]
+    out_d, out_h, out_w = (size - k + 1 for size in x.shape[2:])
+    budget = min(_CPU_CHUNK_BYTES, _CPU_TILE_BYTES)
+    voxels = max(1, budget // (3 * cout * 4))
+    if out_h * out_w <= voxels:
+        parts = (-(-out_d // (voxels // (out_h * out_w))), 1, 1)
+    elif out_w <= voxels:
+        parts = (out_d, -(-out_h // (voxels // out_w)), 1)
+    else:
+        parts = (out_d, out_h, -(-out_w // voxels))
+    by_shape: dict[tuple[int, int, int], list[tuple[int, int, int]]] = {}
+    for d0, d1 in _split(out_d, parts[0]):
+        for h0, h1 in _split(out_h, parts[1]):
+            for w0, w1 in _split(out_w, parts[2]):
+                by_shape.setdefault((d1 - d0, h1 - h0, w1 - w0), []).append((d0, h0, w0))
+    total = torch.zeros(cout, dtype=torch.float64)
+    for (td, th, tw), origins in by_shape.items():
+        # At least 3 tiles fit a batch, so balanced batches of a shape held twice or more hold 2 or more.
+        per_batch = max(3, budget // (cout * td * th * tw * 4))
+        for first, last in _ranges(len(origins), -(-len(origins) // per_batch)):
+            tiles = torch.empty(last - first, cin, td + k - 1, th + k - 1, tw + k - 1, dtype=torch.float32)
+            for tile, (d0, h0, w0) in zip(tiles, origins[first:last], strict=True):
+                tile.copy_(x[0, :, d0 : d0 + td + k - 1, h0 : h0 + th + k - 1, w0 : w0 + tw + k - 1])
+            means = reference(tiles, weight, bias)
+            total += means.to(torch.float64).sum(dim=0) * (td * th * tw)
+    return (total / (out_d * out_h * out_w)).to(torch.float32)
+
+
 def _cpu_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
     n, _, d, h, w = x.shape
     cout, k = weight.shape[0], weight.shape[2]
     per_sample = cout * (d - k + 1) * (h - k + 1) * (w - k + 1) * 4
-    chunk = max(1, _CPU_CHUNK_BYTES // per_sample)
     out = torch.empty(n, cout, dtype=torch.float32)
     with torch.no_grad():
+        if 3 * per_sample > _CPU_CHUNK_BYTES:
+            for i in range(n):
+                out[i] = _cpu_forward_tiled(x[i : i + 1], weight, bias)
+            return out
+        chunk = _CPU_CHUNK_BYTES // per_sample
         for start in range(0, n, chunk):
             part = x[start : start + chunk].to(torch.float32)
             out[start : start + chunk] = reference(part, weight, bias)
