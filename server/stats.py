@@ -93,6 +93,9 @@ class ModelStats:
     def __init__(self) -> None:
         self._shared: tuple[str, str] | None = None  # (directory, this replica's file name) with --replicas
         self._lock = threading.Lock()
+        # One publish at a time: the periodic one runs on a thread that a cancelled task does not stop, and the
+        # final one at shutdown writes the same file (the two renamed each other's temporary file away).
+        self._publishing = threading.Lock()
         self._inference_count = 0
         self._execution_count = 0
         self._last_inference_ms = 0
@@ -164,9 +167,10 @@ class ModelStats:
             return
         directory, name = self._shared
         tmp = os.path.join(directory, f".{name}.tmp")
-        with open(tmp, "w") as f:
-            json.dump(dataclasses.asdict(self.snapshot()), f)
-        os.replace(tmp, os.path.join(directory, name))
+        with self._publishing:
+            with open(tmp, "w") as f:
+                json.dump(dataclasses.asdict(self.snapshot()), f)
+            os.replace(tmp, os.path.join(directory, name))
 
     async def publish_every(self, interval_s: float = 0.5) -> None:
         """Publish every ``interval_s`` until cancelled (a task of each process that shares its figures)."""

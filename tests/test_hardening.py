@@ -536,3 +536,26 @@ def test_a_deadline_storm_is_counted_as_the_clients_saw_it(tmp_path):
         assert expired >= 0.95 * seen["DEADLINE_EXCEEDED"], (dict(seen), server)
         assert set(server) <= {"OK", "DEADLINE_EXCEEDED", "CANCELLED"}, server
     assert "Traceback" not in srv.log and "ERROR" not in srv.log
+
+
+def test_statistics_publish_from_two_threads_at_once(tmp_path):
+    """The periodic publish runs on a thread that shutdown's final publish can overlap: neither may fail."""
+    from voxserve.server.stats import ModelStats
+
+    stats = ModelStats()
+    stats.share(str(tmp_path), "frontend-1")
+    errors: list[BaseException] = []
+
+    def publish_many() -> None:
+        try:
+            for _ in range(300):
+                stats.publish()
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=publish_many) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
