@@ -345,6 +345,16 @@ def test_shared_memory_bytes_in_flight_are_bounded(tmp_path):
                 return memoryview(buffer)
 
             registry.allocate = tracked
+            budget = srv.server.service.shm_budget
+            budget_peak = [0]
+            acquire = budget.acquire
+
+            async def acquire_and_note(nbytes: int) -> None:
+                await acquire(nbytes)
+                budget_peak[0] = max(budget_peak[0], budget.used)
+                assert budget.used <= budget.limit
+
+            budget.acquire = acquire_and_note
             with Client(srv.url) as c:
                 c.register_system_shared_memory("in", name, x.nbytes)
 
@@ -354,7 +364,10 @@ def test_shared_memory_bytes_in_flight_are_bounded(tmp_path):
 
                 for y in asyncio.run(many()):
                     assert _relerr(y, x) <= FP32_TOL
-                assert 0 < peak[0] <= 2 * x.nbytes
+                # Copies of requests in progress stay within the budget; a finished request's copy is freed once its
+                # last reference goes, which may come after the next request has taken its room: one more at most.
+                assert 0 < peak[0] <= 3 * x.nbytes
+                assert budget_peak[0] == 2 * x.nbytes  # the budget was full, and requests waited for room
                 srv.server.service.shm_budget.limit = x.nbytes - 1  # one request alone is now over the limit
                 with pytest.raises(InferenceError) as err:
                     c.infer_shared_memory(x.shape, "in")
