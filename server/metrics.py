@@ -6,6 +6,7 @@ Each server owns its registry, so several servers can live in one process (tests
 
 from __future__ import annotations
 
+import contextlib
 import io
 import itertools
 import logging
@@ -178,7 +179,9 @@ class Metrics:
 
 # /metrics is for a few scrapers, not for the public: each connection gets a thread, so at most this many are
 # served at once and each has this long in all, from accept to the last byte of its answer (a scrape of our
-# few kilobytes takes milliseconds; Prometheus's default scrape timeout is 10 s).
+# few kilobytes takes milliseconds; Prometheus's default scrape timeout is 10 s). When all are taken, a new
+# connection takes the place of the oldest one that has not yet sent its whole request (a scraper sends its
+# request at once; one that trickles bytes is ended), so half-sent connections cannot keep scrapes out.
 HTTP_MAX_CONNECTIONS = 8
 HTTP_CONNECTION_TIMEOUT_S = 5.0
 # What a connection beyond HTTP_MAX_CONNECTIONS gets, written without blocking before it is closed.
@@ -242,6 +245,10 @@ class _MetricsRequestHandler(WSGIRequestHandler):
 
     server: MetricsHTTPServer
 
+    def parse_request(self) -> bool:
+        # The request is all in: from here on the connection is being answered, and no newcomer may take its place.
+        return super().parse_request() and self.server.request_read(self.connection)
+
     def setup(self) -> None:
         super().setup()
         raw = _DeadlineSocketIO(self.connection, time.monotonic() + self.server.timeout_s)
@@ -257,8 +264,10 @@ class _MetricsRequestHandler(WSGIRequestHandler):
 
 class MetricsHTTPServer(WSGIServer):
     """prometheus_client's WSGI app (content negotiation, gzip, ``name[]`` filters) behind a server that
-    bounds what clients can hold: ``max_connections`` served at once, each on a daemon thread and within
-    ``timeout_s``; a connection beyond them is answered 503 at once and closed."""
+    bounds what clients can hold: ``max_connections`` places, each a daemon thread, each connection served
+    within ``timeout_s``. A connection beyond them takes the place of the oldest one still sending its request,
+    which is answered 503 and closed, and is served next by that place's thread; with no such connection, it
+    is answered 503 at once and closed."""
 
     request_queue_size = 256  # a burst of connections waits in the kernel's queue, not in SYN retries
 
@@ -266,6 +275,9 @@ class MetricsHTTPServer(WSGIServer):
         self.address_family, bare = bind_address(host)
         self.timeout_s = timeout_s
         self._slots = threading.BoundedSemaphore(max_connections)
+        self._lock = threading.Lock()
+        self._reading: dict[socket.socket, None] = {}  # connections with a place, still sending, oldest first
+        self._next: dict[socket.socket, tuple[socket.socket, object]] = {}  # who takes an ended one's place
         super().__init__((bare, port), _MetricsRequestHandler)
         self.set_app(make_wsgi_app(registry))
         self.port = int(self.server_address[1])
@@ -273,25 +285,57 @@ class MetricsHTTPServer(WSGIServer):
 
     def process_request(self, request, client_address) -> None:
         if not self._slots.acquire(blocking=False):
-            self._refuse(request)
+            self._take_a_place(request, client_address)
             return
+        with self._lock:
+            self._reading[request] = None
         try:
-            threading.Thread(target=self._serve_one, args=(request, client_address), name="voxserve-metrics-conn",
+            threading.Thread(target=self._serve_place, args=(request, client_address), name="voxserve-metrics-conn",
                              daemon=True).start()
         except BaseException:
+            with self._lock:
+                self._reading.pop(request, None)
             self._slots.release()
             self.shutdown_request(request)
             raise
 
-    def _serve_one(self, request, client_address) -> None:
-        try:
-            self.finish_request(request, client_address)
-        except Exception:
-            self.handle_error(request, client_address)
-        finally:
-            # Released before the close, so a client that has seen the close can connect again and be served.
-            self._slots.release()
+    def _take_a_place(self, request: socket.socket, client_address) -> None:
+        with self._lock:
+            oldest = next(iter(self._reading), None)
+            if oldest is not None:
+                del self._reading[oldest]
+                self._next[oldest] = (request, client_address)
+                self._reading[request] = None
+        if oldest is None:
+            self._refuse(request)
+            return
+        with contextlib.suppress(OSError):
+            oldest.send(_BUSY_RESPONSE, socket.MSG_DONTWAIT)
+        with contextlib.suppress(OSError):
+            oldest.shutdown(socket.SHUT_RDWR)  # its thread's read returns at once; it goes on to the newcomer
+
+    def request_read(self, request: socket.socket) -> bool:
+        """Mark ``request`` as being answered; False if its place went to a newcomer meanwhile."""
+        with self._lock:
+            return self._reading.pop(request, False) is None
+
+    def _serve_place(self, request, client_address) -> None:
+        """Serve the connection, then each one that took the place of the one before it."""
+        while True:
+            try:
+                self.finish_request(request, client_address)
+            except Exception:
+                self.handle_error(request, client_address)
+            with self._lock:
+                self._reading.pop(request, None)
+                successor = self._next.pop(request, None)
+            if successor is None:
+                # Released before the close, so a client that has seen the close can connect again and be served.
+                self._slots.release()
+                self.shutdown_request(request)
+                return
             self.shutdown_request(request)
+            request, client_address = successor
 
     def _refuse(self, request: socket.socket) -> None:
         request.setblocking(False)  # the accepting thread must never wait on a client
