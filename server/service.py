@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import inspect
 import logging
 import time
+import weakref
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
@@ -19,7 +21,7 @@ from voxserve import __version__
 from voxserve.proto import config_pb, pb
 
 from . import codec
-from .admission import ByteBudget, RpcLimiter
+from .admission import ByteBudget, RpcLimiter, current_call
 from .batching import DeadlineExceeded, QueueFull
 from .codec import ModelSpec
 from .errors import ServingError, invalid, runner_error, unavailable
@@ -329,6 +331,9 @@ class InferenceService:
             await context.abort(grpc.StatusCode.UNAVAILABLE, self._draining_message())
         stream.reader = reader = asyncio.create_task(take_in())
         self._streams.add(stream)
+        if (admitted := current_call()) is not None:  # the limiter may end it for another client while idle
+            admitted.busy = lambda: bool(pending)
+            admitted.on_preempt = stream.close
         if self.stream_idle_timeout_s > 0:
             self._watch_idle(stream, pending)
         try:
@@ -400,6 +405,7 @@ class InferenceService:
         served = True  # False: the request names a model this server does not serve
         code = grpc.StatusCode.OK
         held = 0  # shared-memory bytes taken from the budget
+        copy = None  # the private copy they are for
         try:
             if isinstance(parsed, MalformedRequest):
                 raise parsed.error()
@@ -428,7 +434,16 @@ class InferenceService:
                 if shm_bytes is not None:  # a tensor-sized copy, bounded in total, made off the event loop
                     await self.shm_budget.acquire(shm_bytes)
                     held = shm_bytes
-                    decoded = await asyncio.to_thread(codec.decode_request, request, spec, self.shm, parsed.raw)
+                    copying = asyncio.ensure_future(
+                        asyncio.to_thread(codec.decode_request, request, spec, self.shm, parsed.raw))
+                    try:
+                        decoded = await asyncio.shield(copying)
+                    except asyncio.CancelledError:  # the copy goes on in its thread: it keeps its bytes till freed
+                        copying.add_done_callback(lambda done, n=held: self._release_when_freed(
+                            None if done.cancelled() or done.exception() else done.result().array, n))
+                        held = 0
+                        raise
+                    copy = decoded.array
                 else:
                     decoded = codec.decode_request(request, spec, self.shm, parsed.raw)
                 m.input_bytes.inc(decoded.array.nbytes)
@@ -462,7 +477,8 @@ class InferenceService:
             raise ServingError(grpc.StatusCode.INTERNAL, "inference failed inside the server; see its log") from None
         finally:
             if held:
-                self.shm_budget.release(held)
+                self._release_when_freed(copy, held)
+                copy = decoded = None  # the frame may outlive the call (a kept traceback): hold no copy
             self.state.inflight -= 1
             if admitted:
                 self.state.accepted -= 1
@@ -471,12 +487,42 @@ class InferenceService:
             if served:
                 m.request_duration.observe((time.perf_counter_ns() - arrived) / 1e9)
 
+    def _release_when_freed(self, copy: np.ndarray | None, nbytes: int) -> None:
+        """Give ``nbytes`` back to the shared-memory budget once ``copy``'s memory is freed: a request ended early
+        (cancelled, past its deadline) may leave its copy in a thread still copying or computing. Memory that is
+        not the copy's own (a pinned or arena block, pooled and bounded apart) is given back now."""
+        owner = _memory_owner(copy)
+        if owner is None:
+            self.shm_budget.release(nbytes)
+            return
+        loop = asyncio.get_running_loop()
+
+        def freed() -> None:  # on whichever thread drops the last reference
+            with contextlib.suppress(RuntimeError):  # a closed loop: nothing waits for room any more
+                loop.call_soon_threadsafe(self.shm_budget.release, nbytes)
+
+        weakref.finalize(owner, freed)
+
     async def _check_model(self, name: str, version: str, context, reveal: bool = True) -> ModelSpec | None:
         try:
             codec.check_model(self.model_name, self.model_version, name, version, reveal)
         except ServingError as exc:
             await context.abort(exc.code, exc.message)
         return self.state.spec
+
+
+def _memory_owner(array: np.ndarray | None) -> np.ndarray | None:
+    """The array that owns ``array``'s memory, through views and buffers, if it is a numpy array of its own."""
+    while array is not None:
+        base = array.base
+        if base is None:
+            return array if array.flags.owndata else None
+        if isinstance(base, memoryview):
+            base = base.obj
+        if not isinstance(base, np.ndarray):
+            return None
+        array = base
+    return None
 
 
 def _check_finite(output) -> None:

@@ -26,6 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import grpc
+import numpy as np
 
 from .errors import ServingError, exhausted, invalid, not_found, shown
 
@@ -76,9 +77,10 @@ class SharedMemoryRegistry:
         self._regions: dict[str, Region] = {}
         self._shared = shared_dir
         self._lock = threading.Lock()
-        # Where read() puts an input: bytearray by default; a GPU server installs a pinned-memory allocator
+        # Where read() puts an input: numpy memory by default (whose release the budget of copies in flight sees,
+        # server/service.py); a GPU server installs a pinned-memory allocator
         # so that the one copy out of the client's segment is also the one the GPU copies from.
-        self.allocate: Callable[[int], memoryview] = lambda n: memoryview(bytearray(n))
+        self.allocate: Callable[[int], memoryview] = lambda n: memoryview(np.empty(n, np.uint8))
 
     def register(self, name: str, key: str, offset: int, byte_size: int) -> None:
         """Register ``byte_size`` bytes at ``offset`` of segment ``key`` as region ``name``, bound to the file

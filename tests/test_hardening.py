@@ -8,6 +8,7 @@ import collections
 import os
 import signal
 import threading
+import time
 import urllib.request
 import weakref
 
@@ -21,6 +22,7 @@ from voxserve.client import Client, InferenceError, build_request, parse_respons
 from voxserve.kernels import reference_float64
 from voxserve.kernels.reference import reference_weights
 from voxserve.proto import pb, pb_grpc
+from voxserve.server import admission
 from voxserve.server.admission import ByteBudget
 from voxserve.server.shm import SHM_DIR
 
@@ -118,7 +120,8 @@ def test_a_connection_full_of_idle_streams_leaves_room_for_everyone_else():
         asyncio.run(attack())
 
 
-def test_the_server_wide_limit_refuses_with_its_flag_and_counts():
+def test_the_server_wide_limit_refuses_with_its_flag_and_counts(monkeypatch):
+    monkeypatch.setattr(admission, "PREEMPT_IDLE_S", 600.0)  # no stream idle long enough to be ended for another
     with running_server(max_concurrent_rpcs=8, max_streams_per_connection=4) as srv:
         assert srv.wait_ready()
 
@@ -143,6 +146,121 @@ def test_the_server_wide_limit_refuses_with_its_flag_and_counts():
                     for call in calls:
                         call.cancel()
                     await channel.close()
+
+        asyncio.run(attack())
+
+
+async def _wait_for_active(srv, count: int) -> None:
+    for _ in range(200):
+        if srv.server.limiter.active == count:
+            return
+        await asyncio.sleep(0.02)
+    raise AssertionError(f"{srv.server.limiter.active} RPCs in progress, not {count}")
+
+
+async def _ended_for_another(call) -> bool:
+    """Whether ``call`` ended UNAVAILABLE because its slot went to another connection's call."""
+    try:
+        while True:
+            await asyncio.wait_for(call.read(), 0.05)
+    except (asyncio.TimeoutError, asyncio.CancelledError):
+        return False
+    except grpc.aio.AioRpcError as err:
+        assert err.code() == grpc.StatusCode.UNAVAILABLE, err
+        assert "its share" in err.details() and "--max-concurrent-rpcs" in err.details()
+        return True
+
+
+def test_idle_streams_over_many_connections_yield_their_slots_to_others(monkeypatch):
+    """The server full of idle streams from two connections: every other connection is still served, taking its
+    slot from the connection holding the most; a connection that already holds the most is refused."""
+    monkeypatch.setattr(admission, "PREEMPT_IDLE_S", 0.05)
+    with running_server(max_concurrent_rpcs=8, max_streams_per_connection=8) as srv:
+        assert srv.wait_ready()
+
+        async def attack():
+            a_channel, watches = await _idle_streams(srv.url, 5, watch=True)
+            b_channel, streams = await _idle_streams(srv.url, 3)
+            others = [_connection(srv.url)]
+            try:
+                await _wait_for_active(srv, 8)
+                await asyncio.sleep(0.1)
+                x = _x()
+
+                async def infer(channel) -> np.ndarray:
+                    stub = pb_grpc.GRPCInferenceServiceStub(channel)
+                    return parse_response(await stub.ModelInfer(build_request(x, "voxnet", "FP32"), timeout=10))
+
+                with pytest.raises(grpc.aio.AioRpcError) as err:  # A holds the most: refused, nothing ended
+                    await infer(a_channel)
+                assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+                assert srv.server.limiter.preempted == 0
+                # B is served, and ends one of A's watchers (5 -> 4): the server has room again.
+                assert _relerr(await infer(b_channel), x) <= FP32_TOL
+                assert srv.server.limiter.preempted == 1
+                # Full again (one more idle stream, of a fresh connection): a stream of another fresh connection is
+                # served too, and ends another of A's (4 -> 3).
+                refill, idle = await _idle_streams(srv.url, 1)
+                await _wait_for_active(srv, 8)
+                await asyncio.sleep(0.1)
+                stream = pb_grpc.GRPCInferenceServiceStub(others[0]).ModelStreamInfer()
+                await stream.write(build_request(x, "voxnet", "FP32"))
+                response = await stream.read()
+                assert not response.error_message
+                assert _relerr(parse_response(response.infer_response), x) <= FP32_TOL
+                await stream.done_writing()
+                assert srv.server.limiter.preempted == 2
+                assert [await _ended_for_another(call) for call in watches].count(True) == 2
+                assert not any([await _ended_for_another(call) for call in streams + idle])
+                idle[0].cancel()
+                await refill.close()
+            finally:
+                for call in watches + streams:
+                    call.cancel()
+                for channel in (a_channel, b_channel, *others):
+                    await channel.close()
+
+        asyncio.run(attack())
+
+
+def test_an_idle_stream_ends_gracefully_for_another_and_a_busy_one_never(monkeypatch):
+    monkeypatch.setattr(admission, "PREEMPT_IDLE_S", 0.05)
+    with running_server(max_concurrent_rpcs=2, max_streams_per_connection=4, max_queue_delay_ms=1500,
+                        max_batch=64) as srv:
+        assert srv.wait_ready()
+
+        async def attack():
+            x = _x()
+            channel, idle = await _idle_streams(srv.url, 2)  # idle: one is ended (gracefully) for another's call
+            await _wait_for_active(srv, 2)
+            await asyncio.sleep(0.1)
+            async with _connection(srv.url) as other:
+                response = await pb_grpc.GRPCInferenceServiceStub(other).ModelInfer(
+                    build_request(x, "voxnet", "FP32"), timeout=10)
+                assert _relerr(parse_response(response), x) <= FP32_TOL
+            assert [await _ended_for_another(call) for call in idle].count(True) == 1
+            assert srv.server.limiter.preempted == 1
+            for call in idle:
+                call.cancel()
+            await channel.close()
+            await _wait_for_active(srv, 0)
+            async with _connection(srv.url) as mine:
+                stub = pb_grpc.GRPCInferenceServiceStub(mine)
+                busy = [stub.ModelStreamInfer() for _ in range(2)]
+                for call in busy:  # each request waits in the batch queue for 1.5 s: its stream is busy
+                    await call.write(build_request(x, "voxnet", "FP32"))
+                await _wait_for_active(srv, 2)
+                await asyncio.sleep(0.3)
+                async with _connection(srv.url) as other:
+                    with pytest.raises(grpc.aio.AioRpcError) as err:
+                        await pb_grpc.GRPCInferenceServiceStub(other).ModelInfer(
+                            build_request(x, "voxnet", "FP32"), timeout=10)
+                assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+                for call in busy:
+                    response = await call.read()
+                    assert _relerr(parse_response(response.infer_response), x) <= FP32_TOL
+                    await call.done_writing()
+                assert srv.server.limiter.preempted == 1
 
         asyncio.run(attack())
 
@@ -364,15 +482,54 @@ def test_shared_memory_bytes_in_flight_are_bounded(tmp_path):
 
                 for y in asyncio.run(many()):
                     assert _relerr(y, x) <= FP32_TOL
-                # Copies of requests in progress stay within the budget; a finished request's copy is freed once its
-                # last reference goes, which may come after the next request has taken its room: one more at most.
-                assert 0 < peak[0] <= 3 * x.nbytes
+                # The copies alive at once, as their memory sees it, stay within the budget: a request's room is given
+                # back once its copy is freed, not when its answer is sent.
+                assert 0 < peak[0] <= 2 * x.nbytes
                 assert budget_peak[0] == 2 * x.nbytes  # the budget was full, and requests waited for room
                 srv.server.service.shm_budget.limit = x.nbytes - 1  # one request alone is now over the limit
                 with pytest.raises(InferenceError) as err:
                     c.infer_shared_memory(x.shape, "in")
                 assert err.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
                 assert "--max-shm-inflight-bytes" in err.value.message
+    finally:
+        os.unlink(path)
+
+
+def test_a_cancelled_shared_memory_request_keeps_its_room_until_its_copy_is_freed(tmp_path):
+    """A request that ends (its deadline) while its copy is still being made leaves that copy in a thread: its room
+    in the budget is given back only once the copy is freed, so copies alive never outnumber the budget's room."""
+    x = _x(4, (8, 8, 8))
+    name = f"voxserve-cancelled-{id(x)}"
+    path = f"{SHM_DIR}/{name}"
+    with open(path, "wb") as f:
+        f.write(x.tobytes())
+    try:
+        with running_server(max_shm_inflight_bytes=x.nbytes) as srv:
+            assert srv.wait_ready()
+            registry, budget = srv.server.shm, srv.server.service.shm_budget
+            allocate, proceed, copying = registry.allocate, threading.Event(), threading.Event()
+
+            def slow(n: int):  # a copy that takes as long as the test says
+                copying.set()
+                assert proceed.wait(30)
+                return allocate(n)
+
+            registry.allocate = slow
+            with Client(srv.url) as c:
+                c.register_system_shared_memory("in", name, x.nbytes)
+                with Client(srv.url, timeout_s=0.3) as hasty, pytest.raises(InferenceError) as err:
+                    hasty.infer_shared_memory(x.shape, "in")
+                assert err.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
+                assert copying.is_set()
+                time.sleep(0.2)  # the server has seen the deadline pass by now
+                assert budget.used == x.nbytes  # the copy is still under way: its room is still taken
+                registry.allocate = allocate
+                proceed.set()
+                deadline = time.monotonic() + 10
+                while budget.used and time.monotonic() < deadline:
+                    time.sleep(0.02)
+                assert budget.used == 0  # the copy was made, nobody wanted it, it was freed: room given back
+                assert _relerr(c.infer_shared_memory(x.shape, "in"), x) <= FP32_TOL
     finally:
         os.unlink(path)
 
