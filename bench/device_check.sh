@@ -11,9 +11,9 @@ source bench/device_env.sh || exit 1
 nvidia-smi --query-gpu=name,driver_version,clocks.max.sm,memory.total --format=csv | tee "$OUT/gpu.txt"
 python3 - <<'PY' 2>&1 | tee "$OUT/build.txt"
 import time
-from voxserve.kernels import cuda
-t = time.time(); r = cuda.build(force=True); print(f"cold build {time.time() - t:.1f} s: {r.path} for {r.archs}")
-t = time.time(); r = cuda.build(); print(f"warm build {time.time() - t:.2f} s")
+from voxserve.kernels import build
+t = time.time(); r = build.build(force=True); print(f"cold build {time.time() - t:.1f} s: {r.path} for {r.archs}")
+t = time.time(); r = build.build(); print(f"warm build {time.time() - t:.2f} s")
 print("\n".join(l for l in r.ptxas_report.splitlines() if "registers" in l or "spill" in l or "Compiling" in l))
 PY
 timeout 420 python3 -m pytest -q -rs tests/test_kernel_gpu.py tests/test_pipeline_gpu.py tests/test_service.py \

@@ -54,6 +54,8 @@ class LevelResult:
     server_compute_ms: float | None = None  # mean per execution
     wall_start: float = field(default=0.0, repr=False)  # time.time() of the first request sent
     wall_end: float = field(default=0.0, repr=False)
+    # (status name, details) -> count, for every failed request (not in summary(): the CLI's report is of counts)
+    failures: collections.Counter = field(default_factory=collections.Counter, repr=False)
 
     @property
     def rps(self) -> float:
@@ -63,7 +65,7 @@ class LevelResult:
         return float(np.percentile(self.latencies_ms, q)) if self.latencies_ms else float("nan")
 
     def summary(self) -> dict:
-        d = {k: v for k, v in asdict(self).items() if k != "latencies_ms"}
+        d = {k: v for k, v in asdict(self).items() if k not in ("latencies_ms", "failures")}
         d.update(requests_per_s=self.rps, samples_per_s=self.rps * self.samples_per_request,
                  mb_per_s=self.rps * self.request_bytes / 1e6, p50_ms=self.percentile(50),
                  p90_ms=self.percentile(90), p99_ms=self.percentile(99))
@@ -147,6 +149,15 @@ class StreamError(grpc.RpcError):
     """A request answered with an error message on a stream (or lost with its stream)."""
 
 
+def _failure(exc: grpc.RpcError) -> tuple[str, str]:
+    """A failed request's status name and details; a StreamError has no status of its own (the server's
+    error_message on a stream carries none), so it is named by its class."""
+    code = getattr(exc, "code", None)
+    if callable(code):
+        return code().name, exc.details() or ""
+    return type(exc).__name__, str(exc)
+
+
 async def run_level(url: str, payload: bytes, samples: int, tensor_bytes: int, concurrency: int, *,
                     duration_s: float | None,
                     requests: int | None, model: str, target: str, timeout_s: float = 120.0,
@@ -155,7 +166,8 @@ async def run_level(url: str, payload: bytes, samples: int, tensor_bytes: int, c
                     ready: Callable[[], None] | None = None) -> LevelResult:
     """Drive one concurrency level; exactly one of duration_s / requests bounds it. The workers share
     ``connections`` connections round-robin (a server of several replicas serves each on one replica);
-    ``streaming``: each connection carries one ModelStreamInfer stream that its workers' requests travel on."""
+    ``streaming``: each connection carries one ModelStreamInfer stream that its workers' requests travel on.
+    The project's one closed-loop driver: voxserve.testing.load.closed_loop reports a level of it by status."""
     metadata = credentials.metadata()
     async with contextlib.AsyncExitStack() as stack:
         channels = [await stack.enter_async_context(
@@ -193,8 +205,9 @@ async def run_level(url: str, payload: bytes, samples: int, tensor_bytes: int, c
                     await call(payload, timeout=timeout_s, metadata=metadata)
                     result.latencies_ms.append((time.perf_counter() - t0) * 1e3)
                     result.requests += 1
-                except grpc.RpcError:
+                except grpc.RpcError as exc:
                     result.errors += 1
+                    result.failures[_failure(exc)] += 1
 
         async def report() -> None:
             while True:
@@ -225,7 +238,7 @@ def _level_process(results, url: str, payload: bytes, samples: int, tensor_bytes
                                   credentials=credentials, connections=connections, statistics=False,
                                   streaming=streaming,
                                   ready=lambda: start.wait(START_TIMEOUT_S)))
-        results.put((r.requests, r.errors, r.wall_start, r.wall_end, r.latencies_ms))
+        results.put((r.requests, r.errors, r.wall_start, r.wall_end, r.latencies_ms, r.failures))
     except BaseException as exc:  # the parent must not wait for a result that will never come
         results.put(exc)
         raise
@@ -272,9 +285,10 @@ def run_level_processes(url: str, payload: bytes, samples: int, tensor_bytes: in
                               f"{time.time() - started:.0f} s", end="", file=sys.stderr, flush=True)
             if isinstance(part, BaseException):
                 raise RuntimeError(f"a load process failed: {part!r}")
-            n, errors, wall_start, wall_end, latencies = part
+            n, errors, wall_start, wall_end, latencies, failures = part
             merged.requests += n
             merged.errors += errors
+            merged.failures.update(failures)
             merged.wall_start = min(merged.wall_start or wall_start, wall_start)
             merged.wall_end = max(merged.wall_end, wall_end)
             merged.latencies_ms.extend(latencies)

@@ -1,8 +1,10 @@
 """A server in a child process (so its memory and exit can be watched) and open/closed-loop load against it.
 
 Open loop sends at a fixed rate whatever the server does, the way real overload arrives; closed loop keeps
-a fixed number of requests outstanding and measures capacity. Every request's final status and latency is
-kept, so a report can say exactly how many were answered, refused, or lost.
+a fixed number of requests outstanding and measures capacity (it is `voxserve bench`'s driver,
+voxserve.client.bench.run_level, reported here by status code). Every request's final status is kept (and
+its latency: every one in the open loop, the successes' in the closed loop), so a report can say exactly how
+many were answered, refused, or lost.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from pathlib import Path
 import grpc
 import numpy as np
 
-from voxserve.client.bench import INFER_METHOD
+from voxserve.client.bench import INFER_METHOD, run_level
 from voxserve.client.client import DEFAULT_MAX_MESSAGE_BYTES, _channel_options
 
 
@@ -222,20 +224,19 @@ async def open_loop(url: str, payload: bytes, rate_per_s: float, duration_s: flo
 
 async def closed_loop(url: str, payload: bytes, concurrency: int, duration_s: float, *,
                       timeout_s: float = 30.0) -> LoadReport:
-    """``concurrency`` requests always outstanding for ``duration_s``: the server's capacity for this payload."""
-    report = LoadReport()
-    loop = asyncio.get_running_loop()
-    async with grpc.aio.insecure_channel(url, options=_channel_options(DEFAULT_MAX_MESSAGE_BYTES)) as channel:
-        call = channel.unary_unary(INFER_METHOD)
-        t0 = loop.time()
+    """``concurrency`` requests always outstanding for ``duration_s``: the server's capacity for this payload.
 
-        async def worker() -> None:
-            while loop.time() - t0 < duration_s:
-                report.offered += 1
-                await _one(call, payload, timeout_s, report, False)
-
-        await asyncio.gather(*(worker() for _ in range(concurrency)))
-        report.seconds = loop.time() - t0
+    The load is `voxserve bench`'s (voxserve.client.bench.run_level: one plaintext connection, no
+    ModelStatistics calls), reported as a LoadReport: codes of every request, latencies of the successes."""
+    level = await run_level(url, payload, 0, 0, concurrency, duration_s=duration_s, requests=None,
+                            model="", target="closed loop", timeout_s=timeout_s, statistics=False)
+    report = LoadReport(offered=level.requests + level.errors, seconds=level.seconds)
+    if level.requests:
+        report.codes["OK"] = level.requests
+        report.latencies_s["OK"] = [ms / 1e3 for ms in level.latencies_ms]
+    for (code, details), n in level.failures.items():
+        report.codes[code] += n
+        report.details[(code, details)] += n
     return report
 
 

@@ -2,7 +2,7 @@
 server configuration (default: twelve front ends without batching, where the engine's one core bounds the
 rate). With ``--pin CPUS`` every engine thread is pinned to those cores before the load starts.
 
-    python bench/engine_threads.py [--config "--frontends 12 --no-batching"] [--repeats 3] [--pin 2] \\
+    python bench/probes/engine_threads.py [--config "--frontends 12 --no-batching"] [--repeats 3] [--pin 2] \\
         [--bench "--batch 1 --concurrency 64 --duration 6 --processes 8 --connections 16"] [--out FILE]
 
 Each repeat starts a fresh server. Reported per repeat: the rate, the engine's CPU microseconds per request,

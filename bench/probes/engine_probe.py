@@ -5,7 +5,8 @@ An engine runs in a child process on the CPU; this process is a front end's runn
 IPC hop: records, arena, batcher, replies. Reported: requests/s and the CPU time per request of the engine
 process and of this (the front end's) process, from /proc.
 
-    python bench/engine_probe.py [--concurrency 8,64] [--seconds 5] [--out bench/results/engine-probe-<machine>.md]
+    python bench/probes/engine_probe.py [--concurrency 8,64] [--seconds 5] \\
+        [--out bench/results/engine-probe-<machine>.md]
 
 Each concurrency runs with batching on and off, each against a fresh engine.
 """
@@ -96,7 +97,7 @@ def main() -> int:
         Path(args.out).write_text(
             f"# Engine probe: the front end to engine hop without gRPC (CPU engine)\n\n"
             f"- date: {when}; {os.cpu_count()} CPU cores, Python {sys.version.split()[0]}\n"
-            f"- command: `python bench/engine_probe.py {' '.join(sys.argv[1:])}`\n"
+            f"- command: `python bench/probes/engine_probe.py {' '.join(sys.argv[1:])}`\n"
             f"- request: {SHAPE} FP32 (compute is negligible); {args.seconds:g} s per row\n\n" + "\n".join(rows) + "\n")
     return 0
 

@@ -2,7 +2,7 @@
 negligible) at concurrency 64, with and without batching, and a py-spy profile of the batching server
 split into voxserve's own Python, the model, and gRPC/asyncio machinery.
 
-    python bench/frontend_profile.py --out bench/results/frontend-profile-<machine>.md   # needs py-spy
+    python bench/probes/frontend_profile.py --out bench/results/frontend-profile-<machine>.md   # needs py-spy
 
 The server runs in a child process on the CPU; the load generator runs here, on the same machine.
 """
@@ -82,7 +82,7 @@ def main() -> int:
     lines = ["# Small-request cost in the server process (CPU)", "",
              f"- date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC; {os.cpu_count()} CPU "
              "cores; server in a child process, load generator on the same machine",
-             f"- command: `python bench/frontend_profile.py {shlex.join(sys.argv[1:])}`",
+             f"- command: `python bench/probes/frontend_profile.py {shlex.join(sys.argv[1:])}`",
              f"- requests of {SHAPE} FP32 (compute is negligible), 64 outstanding, {args.seconds:.0f} s", "",
              "| batching | req/s | p50 ms | p99 ms |", "|---|---:|---:|---:|"]
     for batching, r in rows:

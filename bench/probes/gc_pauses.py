@@ -1,7 +1,8 @@
 """The garbage collector's full collections in a serving process, with the start-up objects frozen (what
 the server does once ready: server/heap.py) and without (unfrozen again right after start-up).
 
-    python bench/gc_pauses.py [--seconds 15] [--weights W.safetensors] [--out bench/results/gc-pauses-<machine>.md]
+    python bench/probes/gc_pauses.py [--seconds 15] [--weights W.safetensors] \\
+        [--out bench/results/gc-pauses-<machine>.md]
 
 The server runs in this process on the CPU (so the collector's callbacks see it); `voxserve bench` drives
 batch-1 traffic at concurrency 64 from a child process. Reported per variant: the rate, p99, and each full
@@ -21,7 +22,7 @@ import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def run(frozen: bool, seconds: float, weights: str | None) -> str:

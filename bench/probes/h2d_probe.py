@@ -1,7 +1,7 @@
 """Host-to-device copy bandwidth from pinned memory: each GPU alone, then all GPUs at once (one thread
 per GPU), without any of voxserve's code: the hardware's ceiling for feeding the GPUs.
 
-    python bench/h2d_probe.py [--mb 25] [--seconds 3]
+    python bench/probes/h2d_probe.py [--mb 25] [--seconds 3]
 """
 
 from __future__ import annotations
