@@ -5,7 +5,7 @@
 # Without a GPU the same image serves on the CPU.
 
 FROM nvidia/cuda:13.0.1-devel-ubuntu24.04 AS kernel
-# Flags mirror kernels/cuda.py (NVCC_FLAGS, arch_flags): Ampere, Hopper with its arch-specific
+# Flags mirror kernels/build.py (NVCC_FLAGS, arch_flags): Ampere, Hopper with its arch-specific
 # instructions (the wgmma kernel; VOXSERVE_WGMMA enables it), and PTX for newer GPUs.
 ARG CUDA_GENCODE="-gencode=arch=compute_80,code=sm_80 -gencode=arch=compute_90a,code=sm_90a -gencode=arch=compute_90,code=compute_90 -DVOXSERVE_WGMMA"
 COPY kernels/csrc/fused.cu /src/fused.cu

@@ -1,40 +1,29 @@
-"""The fused CUDA kernel: build it with nvcc (cached), load it with ctypes, register it as the op's CUDA kernel.
+"""Launching the fused CUDA kernel: load the built library with ctypes, run it, register it as the op's CUDA kernel.
 
-The kernel source (``csrc/fused.cu``) is plain CUDA with a C launcher and no
-torch headers, so it builds in seconds and is independent of the installed
-PyTorch's C++ ABI. The launch goes on PyTorch's current stream, so the op works
-under ``torch.cuda.graph`` capture and beside any other PyTorch work.
+The library comes from ``build.py`` (nvcc, cached) or is a prebuilt one named
+by VOXSERVE_KERNEL_LIBRARY; it is loaded once per process, on first use. The
+launches go on PyTorch's current stream, so the op works under
+``torch.cuda.graph`` capture and beside any other PyTorch work. Besides the
+forward pass: the launch plan (``plan``), a stream's completion written to an
+eventfd (``notify``) and one-call gathers of host spans (``copy_spans``).
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
-import logging
 import os
-import shutil
-import subprocess
-import tempfile
 import threading
-import time
 from collections import OrderedDict
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from .build import KernelBuildError, build
 from .ops import _fused_forward_op, check_precision
 from .reference import reference
 
-log = logging.getLogger(__name__)
-
-SOURCE = Path(__file__).resolve().parent / "csrc" / "fused.cu"
-LIBRARY_NAME = "libvoxserve_fused.so"
-# -split-compile=0: the back end optimises the many kernel instantiations in parallel, one job per CPU.
-NVCC_FLAGS = ("-O3", "-std=c++17", "-shared", "-Xcompiler", "-fPIC", "-lineinfo", "-split-compile=0")
-DEFAULT_ARCHS = ("9.0a",)  # H100 / H200, with Hopper's arch-specific instructions (wgmma)
 GENERAL_MAX_COUT = 64
 # Kernel choice for the reference configuration (make_plan in csrc/fused.cu): 0 chooses, 1 forces the
 # tile kernel, 2 the sliding-window kernel, 3 the tensor-core kernel (3xTF32; the default), 4 the
@@ -44,116 +33,6 @@ GENERAL_MAX_COUT = 64
 VARIANTS = (1, 2, 3, 4, 5)
 _DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 _PRECISION_CODES = {"fp32": 0, "tf32": 1}  # ops.PRECISIONS
-
-
-class KernelBuildError(RuntimeError):
-    """The fused kernel could not be built or loaded; the message says why and what to do."""
-
-
-@dataclass(frozen=True)
-class BuildResult:
-    path: Path
-    archs: tuple[str, ...]
-    seconds: float  # 0 when it came from the cache
-    ptxas_report: str
-
-
-def find_nvcc() -> str:
-    """nvcc from $CUDA_HOME/bin, else PATH; KernelBuildError if there is none."""
-    cuda_home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
-    candidates = [Path(cuda_home) / "bin" / "nvcc"] if cuda_home else []
-    which = shutil.which("nvcc")
-    if which:
-        candidates.append(Path(which))
-    candidates.append(Path("/usr/local/cuda/bin/nvcc"))
-    for c in candidates:
-        if c.is_file() and os.access(c, os.X_OK):
-            return str(c)
-    raise KernelBuildError(
-        "the CUDA compiler nvcc was not found (looked in $CUDA_HOME/bin, PATH and /usr/local/cuda/bin); "
-        "install the CUDA toolkit or set CUDA_HOME")
-
-
-def parse_arch_list(text: str) -> tuple[str, ...]:
-    """'8.0;9.0a;9.0+PTX' or '80 90' -> ('8.0', '9.0a', '9.0+PTX'), the TORCH_CUDA_ARCH_LIST convention."""
-    archs = []
-    for item in text.replace(",", " ").replace(";", " ").split():
-        ptx = item.endswith("+PTX")
-        base = item.removesuffix("+PTX")
-        if "." not in base and base.isdigit() and len(base) >= 2:
-            base = f"{base[:-1]}.{base[-1]}"
-        major, _, minor = base.partition(".")
-        suffix = minor[-1:] if minor[-1:] in ("a", "f") else ""  # arch-specific targets, e.g. 9.0a
-        if not (major.isdigit() and minor.removesuffix(suffix).isdigit()):
-            raise KernelBuildError(f"cannot read CUDA architecture {item!r} (expected e.g. 9.0 or 9.0+PTX)")
-        archs.append(base + ("+PTX" if ptx else ""))
-    if not archs:
-        raise KernelBuildError(f"empty CUDA architecture list {text!r}")
-    return tuple(archs)
-
-
-def default_archs() -> tuple[str, ...]:
-    """VOXSERVE_CUDA_ARCH_LIST, else TORCH_CUDA_ARCH_LIST, else the visible GPUs, else sm_90."""
-    for var in ("VOXSERVE_CUDA_ARCH_LIST", "TORCH_CUDA_ARCH_LIST"):
-        if os.environ.get(var):
-            return parse_arch_list(os.environ[var])
-    if torch.cuda.is_available():
-        caps = sorted({torch.cuda.get_device_capability(i) for i in range(torch.cuda.device_count())})
-        # 9.0 builds as 9.0a: the warpgroup kernel needs Hopper's arch-specific instructions.
-        return tuple(f"{a}.{b}" + ("a" if (a, b) == (9, 0) else "") for a, b in caps)
-    return DEFAULT_ARCHS
-
-
-def _gencode(arch: str) -> list[str]:
-    base = arch.removesuffix("+PTX")
-    num = base.replace(".", "")
-    flags = [f"-gencode=arch=compute_{num},code=sm_{num}"]
-    if arch.endswith("+PTX"):
-        flags.append(f"-gencode=arch=compute_{num},code=compute_{num}")
-    return flags
-
-
-def arch_flags(archs: tuple[str, ...]) -> list[str]:
-    """nvcc flags for the architectures; with 9.0a, VOXSERVE_WGMMA tells the host code the warpgroup kernel is there."""
-    flags = [f for a in archs for f in _gencode(a)]
-    if any(a.removesuffix("+PTX") == "9.0a" for a in archs):
-        flags.append("-DVOXSERVE_WGMMA")
-    return flags
-
-
-def cache_dir() -> Path:
-    root = os.environ.get("VOXSERVE_KERNEL_CACHE")
-    if root:
-        return Path(root)
-    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "voxserve" / "kernels"
-
-
-def build(archs: tuple[str, ...] | None = None, out_dir: Path | None = None, force: bool = False) -> BuildResult:
-    """Compile csrc/fused.cu into a shared library, or reuse the cached build of the same source and flags."""
-    archs = archs or default_archs()
-    nvcc = find_nvcc()
-    version = subprocess.run([nvcc, "--version"], capture_output=True, text=True, check=False).stdout
-    flags = [*NVCC_FLAGS, *arch_flags(archs)]
-    digest = hashlib.sha256("\0".join([SOURCE.read_text(), version, *flags]).encode()).hexdigest()[:16]
-    target_dir = (out_dir or cache_dir()) / digest
-    target = target_dir / LIBRARY_NAME
-    report_path = target_dir / "ptxas.txt"
-    if target.exists() and not force:
-        return BuildResult(target, archs, 0.0, report_path.read_text() if report_path.exists() else "")
-    target_dir.mkdir(parents=True, exist_ok=True)
-    started = time.perf_counter()
-    with tempfile.TemporaryDirectory(dir=target_dir) as tmp:
-        tmp_lib = Path(tmp) / LIBRARY_NAME
-        cmd = [nvcc, *flags, "-Xptxas", "-v", "-o", str(tmp_lib), str(SOURCE)]
-        proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
-        if proc.returncode != 0:
-            raise KernelBuildError(f"nvcc failed ({' '.join(cmd)}):\n{proc.stderr[-4000:]}")
-        report_path.write_text(proc.stderr)
-        os.replace(tmp_lib, target)  # atomic: concurrent builders never see a partial library
-    seconds = time.perf_counter() - started
-    log.info("built %s for %s in %.1f s", target, ",".join(archs), seconds)
-    return BuildResult(target, archs, seconds, proc.stderr)
-
 
 ENTRY_POINTS = ("voxserve_last_error", "voxserve_is_specialised", "voxserve_workspace_floats", "voxserve_forward",
                 "voxserve_plan", "voxserve_notify", "voxserve_copy_spans")

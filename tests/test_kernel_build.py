@@ -9,6 +9,7 @@ import shutil
 import pytest
 
 from voxserve.cli import main
+from voxserve.kernels import build as kernel_build
 from voxserve.kernels import cuda as cuda_kernels
 
 needs_nvcc = pytest.mark.skipif(shutil.which("nvcc") is None and not os.environ.get("CUDA_HOME"),
@@ -42,24 +43,24 @@ def test_kernel_builds_for_sm90a_and_hot_kernels_do_not_spill(tmp_path, monkeypa
 
 
 def test_sm90a_builds_enable_the_warpgroup_kernel():
-    assert "-DVOXSERVE_WGMMA" in cuda_kernels.arch_flags(("9.0a",))
-    assert "-DVOXSERVE_WGMMA" in cuda_kernels.arch_flags(("8.0", "9.0a+PTX"))
-    assert "-DVOXSERVE_WGMMA" not in cuda_kernels.arch_flags(("8.0", "9.0"))
+    assert "-DVOXSERVE_WGMMA" in kernel_build.arch_flags(("9.0a",))
+    assert "-DVOXSERVE_WGMMA" in kernel_build.arch_flags(("8.0", "9.0a+PTX"))
+    assert "-DVOXSERVE_WGMMA" not in kernel_build.arch_flags(("8.0", "9.0"))
 
 
 def test_missing_nvcc_is_a_clear_error(monkeypatch, tmp_path):
     monkeypatch.setenv("PATH", str(tmp_path))
     monkeypatch.delenv("CUDA_HOME", raising=False)
     monkeypatch.delenv("CUDA_PATH", raising=False)
-    monkeypatch.setattr(cuda_kernels.Path, "is_file", lambda self: False)
-    with pytest.raises(cuda_kernels.KernelBuildError, match="nvcc was not found"):
-        cuda_kernels.find_nvcc()
+    monkeypatch.setattr(kernel_build.Path, "is_file", lambda self: False)
+    with pytest.raises(kernel_build.KernelBuildError, match="nvcc was not found"):
+        kernel_build.find_nvcc()
 
 
 def test_arch_list_parsing():
-    assert cuda_kernels.parse_arch_list("8.0;9.0a 90+PTX") == ("8.0", "9.0a", "9.0+PTX")
-    with pytest.raises(cuda_kernels.KernelBuildError, match="cannot read CUDA architecture"):
-        cuda_kernels.parse_arch_list("hopper")
+    assert kernel_build.parse_arch_list("8.0;9.0a 90+PTX") == ("8.0", "9.0a", "9.0+PTX")
+    with pytest.raises(kernel_build.KernelBuildError, match="cannot read CUDA architecture"):
+        kernel_build.parse_arch_list("hopper")
 
 
 def test_server_falls_back_to_cpu_when_the_kernel_cannot_load(monkeypatch, caplog):
@@ -76,7 +77,7 @@ def test_server_falls_back_to_cpu_when_the_kernel_cannot_load(monkeypatch, caplo
 def test_prebuilt_library_path_must_exist(monkeypatch, tmp_path):
     monkeypatch.setattr(cuda_kernels, "_library", None)
     monkeypatch.setenv("VOXSERVE_KERNEL_LIBRARY", str(tmp_path / "missing.so"))
-    with pytest.raises(cuda_kernels.KernelBuildError, match="does not exist"):
+    with pytest.raises(kernel_build.KernelBuildError, match="does not exist"):
         cuda_kernels.library()
 
 
@@ -87,5 +88,5 @@ def test_prebuilt_library_of_an_older_source_is_refused_by_name(monkeypatch):
         pytest.skip("no libc path in /proc/self/maps")
     monkeypatch.setattr(cuda_kernels, "_library", None)
     monkeypatch.setenv("VOXSERVE_KERNEL_LIBRARY", libc)
-    with pytest.raises(cuda_kernels.KernelBuildError, match=r"lacks voxserve_last_error.*notify.*older source"):
+    with pytest.raises(kernel_build.KernelBuildError, match=r"lacks voxserve_last_error.*notify.*older source"):
         cuda_kernels.library()

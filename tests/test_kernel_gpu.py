@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from voxserve.kernels import ERROR_BOUNDS, fused_forward, reference_float64
+from voxserve.kernels import build as kernel_build
 from voxserve.kernels import cuda as cuda_kernels
 from voxserve.kernels.graphs import GraphCache
 from voxserve.server.model import relative_error
@@ -116,7 +117,7 @@ def test_tensor_core_plans_cover_the_output(shape):
     x = torch.empty(shape, device=DEV)
     # The warpgroup kernel is the default where the library has sm_90a code for a compute-capability-9.0 GPU,
     # except for calls of at most 16 K output voxels (the mma.sync kernel starts faster).
-    hopper = torch.cuda.get_device_capability() == (9, 0) and "9.0a" in cuda_kernels.default_archs()
+    hopper = torch.cuda.get_device_capability() == (9, 0) and "9.0a" in kernel_build.default_archs()
     small = shape[0] * (shape[2] - 2) * (shape[3] - 2) * (shape[4] - 2) <= 16384
     default = "warpgroup" if hopper and not small else "tensor-core"
     for variant, kernel in ((0, default), (3, "tensor-core"), (5, "warpgroup" if hopper else "tensor-core")):
@@ -140,7 +141,7 @@ def test_tensor_core_plans_cover_the_output(shape):
 def test_16_bit_inputs_on_the_tensor_cores(rng, shape, dtype):
     """Float16/bfloat16 rows of whole 16-byte pieces go to the warpgroup kernel (on Hopper; their values are
     exact in TF32, so x times the split weights keeps float32 accuracy); other 16-bit inputs to the tile kernel."""
-    hopper = torch.cuda.get_device_capability() == (9, 0) and "9.0a" in cuda_kernels.default_archs()
+    hopper = torch.cuda.get_device_capability() == (9, 0) and "9.0a" in kernel_build.default_archs()
     w, b = _weights(rng, 16, 3, 3, scale=1.0 / 27**0.5)
     x = torch.randn(shape, generator=rng).to(DEV, dtype)
     assert cuda_kernels.plan(x)["kernel"] == ("warpgroup" if hopper else "tile")

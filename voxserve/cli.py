@@ -169,12 +169,12 @@ def _bench(args: argparse.Namespace) -> int:
 
 
 def _kernel(args: argparse.Namespace) -> int:
-    from voxserve.kernels import cuda
+    from voxserve.kernels import build
 
     try:
-        archs = cuda.parse_arch_list(args.arch) if args.arch else None
-        result = cuda.build(archs, force=args.force)
-    except cuda.KernelBuildError as exc:
+        archs = build.parse_arch_list(args.arch) if args.arch else None
+        result = build.build(archs, force=args.force)
+    except build.KernelBuildError as exc:
         print(f"voxserve kernel build: {exc}", file=sys.stderr)
         return 1
     report = [line for line in result.ptxas_report.splitlines() if "registers" in line or "spill" in line]
