@@ -16,8 +16,8 @@ t = time.time(); r = build.build(force=True); print(f"cold build {time.time() - 
 t = time.time(); r = build.build(); print(f"warm build {time.time() - t:.2f} s")
 print("\n".join(l for l in r.ptxas_report.splitlines() if "registers" in l or "spill" in l or "Compiling" in l))
 PY
-timeout 420 python3 -m pytest -q -rs tests/test_kernel_gpu.py tests/test_pipeline_gpu.py tests/test_service.py \
-  tests/test_reference.py tests/test_batching.py tests/test_faults.py 2>&1 | tee "$OUT/pytest-gpu.txt" | tail -15
+timeout 420 python3 -m pytest -q -rs tests/kernels/test_kernel_gpu.py tests/core/test_pipeline_gpu.py tests/e2e/test_service.py \
+  tests/kernels/test_reference.py tests/core/test_batching.py tests/core/test_faults.py 2>&1 | tee "$OUT/pytest-gpu.txt" | tail -15
 if [ "${SKIP_SANITIZER:-0}" != 1 ]; then
   timeout 240 compute-sanitizer --tool memcheck --print-limit 20 python3 bench/sanitize_cases.py > "$OUT/memcheck.txt" 2>&1
   echo "memcheck rc=$?"; tail -4 "$OUT/memcheck.txt"

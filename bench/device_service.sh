@@ -12,7 +12,7 @@ MLS=()
 if compgen -G ".mls/*.whl" > /dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/mls-site .mls/*.whl && MLS=(--mlserver-pythonpath /tmp/mls-site)
 fi
-timeout 300 python3 -m pytest -q tests/test_pipeline_gpu.py tests/test_frontends.py 2>&1 | tail -3
+timeout 300 python3 -m pytest -q tests/core/test_pipeline_gpu.py tests/topology/test_frontends.py 2>&1 | tail -3
 name=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | tr 'A-Z ' 'a-z-')
 timeout 500 python3 bench/service_bench.py --frontends "${FRONTENDS:-6}" --processes 8 --connections 16 "${MLS[@]}" \
   --out "$OUT/service-$name.md" > /dev/null

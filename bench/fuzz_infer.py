@@ -30,10 +30,13 @@ def _atheris_child(runs: int, seed: int, crash_dir: str) -> None:
     import numpy  # noqa: F401
     import torch  # noqa: F401
 
-    import voxserve.server.runner  # noqa: F401
+    import voxserve.server.core.runner  # noqa: F401
 
     with atheris.instrument_imports(include=["voxserve"]):
-        from voxserve.server import codec, service, shm  # noqa: F401
+        from voxserve.server.protocol import (
+            codec,
+            shm,
+        )
         from voxserve.testing import fuzz
 
     spec = codec.ModelSpec("voxnet", "1", cin=3, cout=16, k=3, max_request_samples=64, max_request_voxels=1 << 16)

@@ -16,11 +16,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from voxserve.server.core.batching import BatchingConfig
+from voxserve.server.core.model import Model
+from voxserve.server.core.runner import Runner
+from voxserve.server.core.stats import ModelStats
+from voxserve.server.core.weights import default_weights
 from voxserve.server.metrics import Metrics
-from voxserve.server.model import Model
-from voxserve.server.runner import BatchingConfig, Runner
-from voxserve.server.stats import ModelStats
-from voxserve.server.weights import default_weights
 
 
 def _utilisation(stop: threading.Event, samples: dict[int, list[int]]) -> None:
@@ -42,7 +43,7 @@ def measure(gpus: list[int], batch: int, concurrency: int, seconds: float, pinne
     rng = np.random.default_rng(0)
     inputs = [rng.standard_normal((batch, 3, 16, 32, 32), dtype=np.float32) for _ in range(concurrency)]
     if pinned:  # as shared-memory inputs arrive: in pinned memory, sent to the GPU without a staging copy
-        from voxserve.server.pipeline import pinned_buffer
+        from voxserve.server.core.pipeline import pinned_buffer
 
         for i, x in enumerate(inputs):
             inputs[i] = np.frombuffer(pinned_buffer(x.nbytes), dtype=np.float32).reshape(x.shape)

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from .build import KernelBuildError, build
-from .ops import _fused_forward_op, check_precision
+from .ops import SUPPORTED_INPUT_DTYPES, _fused_forward_op, check_precision
 from .reference import reference
 
 GENERAL_MAX_COUT = 64
@@ -31,7 +31,7 @@ GENERAL_MAX_COUT = 64
 # kernel (the default where the library has sm_90a code and the GPU is compute capability 9.0; 3
 # elsewhere); 2-5 take contiguous float32 input only, other inputs fall back to the tile kernel.
 VARIANTS = (1, 2, 3, 4, 5)
-_DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+_DTYPE_CODES = {dtype: code for code, dtype in enumerate(SUPPORTED_INPUT_DTYPES)}  # fused.cu's dtype codes
 _PRECISION_CODES = {"fp32": 0, "tf32": 1}  # ops.PRECISIONS
 
 ENTRY_POINTS = ("voxserve_last_error", "voxserve_is_specialised", "voxserve_workspace_floats", "voxserve_forward",

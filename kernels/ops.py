@@ -25,7 +25,10 @@ _CPU_CHUNK_BYTES = 64 * 1024 * 1024
 # few: each call's parallel regions wait on every thread, and on contended cores 2 MiB batches ran 3-8x slower.
 _CPU_TILE_BYTES = 8 * 1024 * 1024
 
-SUPPORTED_INPUT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+# The input datatypes (voxserve.datatypes.INPUT_DATATYPES) as torch dtypes, in the order of the CUDA launcher's
+# dtype codes (kernels/cuda.py).
+TORCH_DTYPES = {"FP32": torch.float32, "FP16": torch.float16, "BF16": torch.bfloat16}
+SUPPORTED_INPUT_DTYPES = tuple(TORCH_DTYPES.values())
 
 # Arithmetic modes. "fp32": float32 products and sums everywhere (3xTF32 on the tensor cores keeps float32
 # accuracy). "tf32": the tensor-core kernel multiplies in TF32 (inputs and weights rounded to 10-bit

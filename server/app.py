@@ -1,4 +1,5 @@
-"""Server lifecycle: bind, load weights, warm up, serve, drain on SIGTERM/SIGINT."""
+"""One serving process's lifecycle: bind, load weights, warm up, serve, drain on SIGTERM/SIGINT; and `serve`, the
+entry point that reads the process's role and becomes a supervisor, an engine or a gRPC server."""
 
 from __future__ import annotations
 
@@ -8,49 +9,29 @@ import logging
 import os
 import signal
 
-import grpc
-from grpc_health.v1 import health_pb2
-from grpc_reflection.v1alpha import reflection, reflection_pb2
-
-from . import ports, security
-from . import weights as weights_io
-from .admission import RpcLimiter
-from .codec import ModelSpec
-from .engine import build_models, load_weights, run_engine
-from .health import HealthServicer
-from .heap import freeze_startup_objects
-from .ipc import Arena
+from . import logs
+from .core.errors import StartupError
+from .core.heap import freeze_startup_objects
 from .metrics import Metrics, latency_buckets
-from .remote import RemoteRunner
-from .replicas import (
-    ENGINE_SOCKET_ENV,
-    ENGINES_ENV,
-    REPLICA_DIR_ENV,
-    REPLICA_INDEX_ENV,
-    ROLE_ENV,
-    die_with_supervisor,
-    resolve_frontends,
-    resolve_replicas,
-    supervise,
-    usable_cpus,
-)
-from .runner import BatchingConfig, Runner
-from .service import SERVICE_NAME, InferenceService, ServingState, add_to_server
+from .protocol.codec import ModelSpec
+from .protocol.control import ControlService
+from .protocol.inference import InferenceService
+from .protocol.server import GrpcServer
+from .protocol.service import ServingState
+from .protocol.shm import SharedMemoryRegistry
 from .settings import AUTO, Settings
-from .shm import SharedMemoryRegistry
+from .topology import ports
+from .topology.executors import open_executor, read_weights
+from .topology.roles import ENGINE, FRONTEND, Role
+from .topology.supervisor import die_with_supervisor, resolve_frontends, resolve_replicas, supervise, usable_cpus
 
 log = logging.getLogger("voxserve")
-
-# Server reflection v1 is v1alpha under another name (the same messages, field for field): grpcurl and newer
-# tools ask for v1 first, grpcio-reflection serves v1alpha.
-REFLECTION_V1 = "grpc.reflection.v1.ServerReflection"
-HEALTH_SERVICE = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
-# gRPC's compression algorithms: bit 0 is identity (none), the others gzip and deflate.
-IDENTITY_ONLY = 1
+STANDALONE = Role()
 
 
 class VoxServer:
-    """One voxserve instance: a grpc.aio server, its model and its metrics.
+    """One voxserve process that serves gRPC: its model (in process, or in the engines of a front end), its gRPC
+    server and its metrics. ``role`` says which (standalone, one of --replicas, a front end of --frontends).
 
     Construct it inside the event loop that will run it (grpc.aio binds to that loop).
 
@@ -58,90 +39,35 @@ class VoxServer:
     for the warm-up; ``stop()`` drains. ``run()`` does all three around signals.
     """
 
-    def __init__(self, settings: Settings) -> None:
+    def __init__(self, settings: Settings, role: Role = STANDALONE) -> None:
         self.settings = settings
+        self.role = role
         self.state = ServingState(max_batch=settings.max_batch)
-        replica_dir = os.environ.get(REPLICA_DIR_ENV)  # one of --replicas: the supervisor serves GPU metrics
+        # One of a supervisor's processes: the supervisor serves the GPU metrics and shares the statistics.
         self.metrics = Metrics(settings.model_name, latency_buckets(settings.latency_buckets_s),
-                               gpu_metrics=replica_dir is None)
-        self.health = HealthServicer(settings.stream_idle_timeout_s)
-        options = [
-            ("grpc.max_receive_message_length", settings.max_message_bytes),
-            ("grpc.max_send_message_length", settings.max_message_bytes),
-            # One connection holds at most this share of --max-concurrent-rpcs.
-            ("grpc.max_concurrent_streams", settings.max_streams_per_connection),
-            # Find dead peers (a vanished or stalled client) and free what their calls hold.
-            ("grpc.keepalive_time_ms", 60_000),
-            ("grpc.keepalive_timeout_ms", 20_000),
-        ]
-        if not settings.grpc_compression:  # a compressed message is refused from its headers, never inflated
-            options.append(("grpc.compression_enabled_algorithms_bitset", IDENTITY_ONLY))
-        if not replica_dir:  # a server of its own: no other process may join its port (SO_REUSEPORT)
-            options.append(("grpc.so_reuseport", 0))
-        interceptors = []
-        if settings.auth_token_file:
-            open_methods = security.HEALTH_METHODS if settings.open_health else frozenset()
-            interceptors.append(security.TokenAuthInterceptor(security.load_tokens(settings.auth_token_file),
-                                                              open_methods,
-                                                              self._refusal_counter(grpc.StatusCode.UNAUTHENTICATED)))
-        self._credentials = security.server_credentials(settings.tls_cert or None, settings.tls_key or None,
-                                                        settings.tls_client_ca or None)
-        # --max-concurrent-rpcs is applied to the handlers (server/admission.py), after the token check.
-        self.server = grpc.aio.server(options=options, interceptors=interceptors)
-        self.limiter = RpcLimiter(settings.max_concurrent_rpcs,
-                                  self._refusal_counter(grpc.StatusCode.RESOURCE_EXHAUSTED))
+                               gpu_metrics=not role.supervised)
         self.shm = SharedMemoryRegistry(settings.max_shm_regions, settings.max_shm_bytes,
-                                        os.path.join(replica_dir, "regions") if replica_dir else None)
-        if replica_dir:
-            replica = os.environ.get(REPLICA_INDEX_ENV, str(os.getpid()))
-            self.state.stats.share(os.path.join(replica_dir, "stats"), replica)
-        self._replica_dir = replica_dir
-        # A front end of --frontends: the model runs in the engines listening on these sockets.
-        engines = os.environ.get(ENGINES_ENV, "") if os.environ.get(ROLE_ENV) == "frontend" else ""
-        self._engines = [p for p in engines.split(os.pathsep) if p]
+                                        os.path.join(role.run_dir, "regions") if role.supervised else None)
+        if role.supervised:
+            self.state.stats.share(os.path.join(role.run_dir, "stats"), role.name or str(os.getpid()))
         self._publish_task: asyncio.Task[None] | None = None
         self.service = InferenceService(self.state, self.metrics, settings.model_name, settings.model_version,
                                         self.shm, settings.stream_idle_timeout_s, settings.max_shm_inflight_bytes)
-        add_to_server(self.service, self.server, self.limiter)
-        self._add_health_and_reflection()
+        self.control = ControlService(self.state, settings.model_name, settings.model_version, self.shm)
+        self.grpc = GrpcServer(settings, self.control, self.service, role.supervised, self._count_refused)
+        self.limiter = self.grpc.limiter
         self.port = 0
         self.metrics_port = -1
         self._ready = asyncio.Event()
         self._load_task: asyncio.Task[None] | None = None
         self.load_error: BaseException | None = None
-        self._weights: weights_io.Weights | None = None
+        self._weights = None  # core.weights.Weights, read before the ports open; None for a front end
         self._lost_task: asyncio.Task[None] | None = None
 
-    def _add_health_and_reflection(self) -> None:
-        """grpc.health.v1 and server reflection (v1 and v1alpha), their handlers under the RPC limit too."""
-        def handler(kind, behavior, request_cls, response_cls):
-            return kind(behavior, request_deserializer=request_cls.FromString,
-                        response_serializer=response_cls.SerializeToString)
-
-        health_handlers = {
-            "Check": handler(grpc.unary_unary_rpc_method_handler, self.health.Check,
-                             health_pb2.HealthCheckRequest, health_pb2.HealthCheckResponse),
-            "Watch": handler(grpc.unary_stream_rpc_method_handler, self.health.Watch,
-                             health_pb2.HealthCheckRequest, health_pb2.HealthCheckResponse),
-        }
-        reflector = reflection.aio.ReflectionServicer(
-            (SERVICE_NAME, HEALTH_SERVICE, reflection.SERVICE_NAME, REFLECTION_V1))
-        reflection_handlers = {"ServerReflectionInfo": handler(
-            grpc.stream_stream_rpc_method_handler, reflector.ServerReflectionInfo,
-            reflection_pb2.ServerReflectionRequest, reflection_pb2.ServerReflectionResponse)}
-        self.server.add_generic_rpc_handlers((
-            self.limiter.service(HEALTH_SERVICE, health_handlers),
-            self.limiter.service(reflection.SERVICE_NAME, reflection_handlers),
-            self.limiter.service(REFLECTION_V1, reflection_handlers),
-        ))
-
-    def _refusal_counter(self, code: grpc.StatusCode):
-        """A callback that counts an inference call refused before its handler ran (a bad token, the RPC limit)."""
-        def count(method: str) -> None:
-            if method.endswith(("/ModelInfer", "/ModelStreamInfer")):
-                self.metrics.count_request(code.name)
-
-        return count
+    def _count_refused(self, code: str, method: str) -> None:
+        """Count an inference call refused before its handler ran (a bad token, the RPC limit)."""
+        if method.endswith(("/ModelInfer", "/ModelStreamInfer")):
+            self.metrics.count_request(code)
 
     async def start(self) -> int:
         """Read the weights, bind the ports, start serving (not ready yet) and begin building the model.
@@ -149,61 +75,41 @@ class VoxServer:
         A weights file that cannot be used raises WeightsError here, before any port is open.
         """
         s = self.settings
-        if not self._replica_dir:  # a server of its own: its ports must be free (a supervisor checked its children's)
+        if not self.role.supervised:  # its own ports must be free (a supervisor checked its children's)
             ports.ensure_free(s.host, s.grpc_port, "--grpc-port")
             if s.metrics_port > 0:
                 ports.ensure_free(s.host, s.metrics_port, "--metrics-port")
-        if not self._engines:  # (a front end's engines read the weights)
-            self._weights = await asyncio.to_thread(load_weights, s, self.metrics)
-        address = f"{s.host}:{s.grpc_port}"
-        if self._credentials is not None:
-            self.port = self.server.add_secure_port(address, self._credentials)
-        else:
-            self.port = self.server.add_insecure_port(address)
+        self._weights = await asyncio.to_thread(read_weights, s, self.role, self.metrics)
+        self.port = self.grpc.bind(s.host, s.grpc_port)
         if self.port == 0:
             raise OSError(f"could not bind gRPC to {s.host}:{s.grpc_port}")
         if s.metrics_port >= 0:
             self.metrics_port = self.metrics.serve_http(s.host, s.metrics_port)
         await self._set_serving(False)
-        await self.server.start()
+        await self.grpc.start()
         log.info("listening: gRPC%s %s:%d%s, metrics %s", " (mutual TLS)" if s.tls_client_ca else
-                 " (TLS)" if self._credentials else "", s.host, self.port,
+                 " (TLS)" if self.grpc.secure else "", s.host, self.port,
                  ", bearer token required" if s.auth_token_file else "",
                  f"{s.host}:{self.metrics_port}" if self.metrics_port >= 0 else "off")
         self._load_task = asyncio.create_task(self._load())
-        if self._replica_dir:
+        if self.role.supervised:
             # With --replicas/--frontends: this process's statistics for the others' ModelStatistics.
             self._publish_task = asyncio.create_task(self.state.stats.publish_every())
         return self.port
 
     async def _load(self) -> None:
         s = self.settings
-        batching = BatchingConfig.from_settings(s)
         loop = asyncio.get_running_loop()
 
         def lost(reason: str) -> None:
             loop.call_soon_threadsafe(self._device_lost, reason)
 
         try:
-            if self._engines:
-                arena = Arena(s.frontend_arena_bytes)
-                frontend = os.environ.get(REPLICA_INDEX_ENV, "")
-                runner = await RemoteRunner.connect(self._engines, arena, frontend, batching, lost)
-                self.state.runner = runner
-                hello = runner.links[0].hello
-                cin, cout, k = int(hello["cin"]), int(hello["cout"]), int(hello["k"])
-                devices, kernel = ",".join(runner.devices), runner.kernel
-                self.shm.allocate = arena.allocate_now  # shared-memory inputs land in the arena: no second copy
-            else:
-                models = await asyncio.to_thread(build_models, s, self._weights, self.metrics)
-                model = models[0]
-                cin, cout, k = model.cin, model.cout, model.k
-                self.state.runner = Runner(models, self.state.stats, self.metrics, batching, lost)
-                if model.pipeline is not None:  # shared-memory inputs land in pinned memory: the GPU copies in place
-                    from .pipeline import pinned_buffer
-
-                    self.shm.allocate = pinned_buffer
-                devices, kernel = ",".join(str(m.device) for m in models), model.kernel
+            opened = await open_executor(s, self.role, self._weights, self.state.stats, self.metrics, lost)
+            self.state.runner = opened.executor
+            if opened.allocate is not None:
+                self.shm.allocate = opened.allocate
+            cin, cout, k, devices, kernel = opened.cin, opened.cout, opened.k, opened.devices, opened.kernel
             self.state.spec = ModelSpec(s.model_name, s.model_version, cin, cout, k, s.max_request_samples,
                                         s.max_request_voxels)
             self.state.device, self.state.kernel = devices, kernel
@@ -214,7 +120,7 @@ class VoxServer:
                 await self._set_serving(True)
                 log.info("ready: model '%s' v%s (Cin=%d, Cout=%d, k=%d) on %s with %s%s", s.model_name,
                          s.model_version, cin, cout, k, devices, kernel,
-                         f" (front end of {len(self._engines)} engine(s))" if self._engines else "")
+                         f" (front end of {len(self.role.engines)} engine(s))" if self.role.kind == FRONTEND else "")
         except Exception as exc:
             self.load_error = exc
             log.error("start-up failed: %s", exc)
@@ -232,9 +138,7 @@ class VoxServer:
         return self.load_error is None
 
     async def _set_serving(self, serving: bool) -> None:
-        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
-        for name in ("", SERVICE_NAME):
-            await self.health.set(name, status)
+        await self.grpc.set_serving(serving)
         self.metrics.model_ready.labels(self.settings.model_name).set(1 if serving else 0)
 
     async def stop(self, grace_s: float | None = None) -> None:
@@ -243,7 +147,7 @@ class VoxServer:
         self.state.draining = True
         self.state.ready = False
         await self._set_serving(False)
-        await self.health.enter_graceful_shutdown()  # each Watch is sent NOT_SERVING and ends
+        await self.grpc.end_watches()
         self.service.close_streams("the server is shutting down; open a stream to another replica")
         log.info("draining: up to %.1f s for %d accepted requests", grace_s, self.state.accepted)
         # While requests are in flight the server stays open, so that new ones are answered
@@ -253,7 +157,7 @@ class VoxServer:
         while self.state.accepted > 0 and loop.time() < deadline:
             await asyncio.sleep(0.01)
         abandoned = self.state.accepted
-        await self.server.stop(max(0.0, deadline - loop.time()))
+        await self.grpc.stop(max(0.0, deadline - loop.time()))
         self.metrics.stop_http()
         if self._load_task is not None and not self._load_task.done():
             self._load_task.cancel()
@@ -275,14 +179,14 @@ class VoxServer:
             loop.add_signal_handler(sig, stop.set)
         try:
             await self.start()
-        except (weights_io.WeightsError, ports.PortInUse) as exc:
+        except StartupError as exc:  # weights that cannot serve, a port in use
             log.error("start-up failed: %s", exc)
             return 1
         ready_task = asyncio.create_task(self.wait_ready())
         stop_task = asyncio.create_task(stop.wait())
         await asyncio.wait({ready_task, stop_task}, return_when=asyncio.FIRST_COMPLETED)
         if ready_task.done() and not ready_task.result():
-            await self.server.stop(0)
+            await self.grpc.stop(0)
             return 1
         await stop_task
         log.info("signal received")
@@ -293,30 +197,28 @@ class VoxServer:
 def serve(settings: Settings) -> int:
     """Run a server in this process until it is signalled (with --replicas N > 1 or --frontends: a supervisor
     of several processes); the CLI's `serve`."""
-    def configure_logging() -> None:
-        logging.basicConfig(level=settings.log_level.upper(),
-                            format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-
-    if os.environ.get(REPLICA_DIR_ENV):  # a child of the supervisor of --replicas / --frontends
+    role = Role.from_environment()  # what this process is: told by its supervisor, if it has one
+    if role.supervised:
         die_with_supervisor()
-    if os.environ.get(ROLE_ENV) == "engine":  # one of --frontends' engines
-        return run_engine(settings, os.environ[ENGINE_SOCKET_ENV], int(os.environ.get(REPLICA_INDEX_ENV, "0")),
-                          os.path.join(os.environ[REPLICA_DIR_ENV], "stats"), configure_logging)
+    if role.kind == ENGINE:
+        from .topology.engine import run_engine  # (the model, torch and the devices: only in the engine)
+
+        return run_engine(settings, role.engine_socket, int(role.name or "0"), os.path.join(role.run_dir, "stats"))
     replicas = resolve_replicas(settings)
     frontends = resolve_frontends(settings, engines=replicas)
     if settings.frontends == AUTO:
-        configure_logging()
+        logs.configure(settings.log_level)
         log.info("--frontends auto: %d front ends (%.4g usable CPU cores%s)", frontends, usable_cpus(),
                  ", model on the CPU" if frontends == 0 else "")
     if replicas > 1 or frontends > 0:
         return supervise(dataclasses.replace(settings, replicas=replicas, frontends=frontends))
     settings = dataclasses.replace(settings, frontends=frontends)
-    configure_logging()
+    logs.configure(settings.log_level)
 
     async def main() -> int:
         try:
-            server = VoxServer(settings)
-        except security.SecurityConfigError as exc:
+            server = VoxServer(settings, role)
+        except StartupError as exc:  # TLS or token files that cannot be used
             log.error("start-up failed: %s", exc)
             return 1
         return await server.run()

@@ -23,7 +23,7 @@ from prometheus_client.registry import Collector
 
 from voxserve import __version__
 
-from .ports import bind_address
+from .topology.ports import bind_address
 
 log = logging.getLogger(__name__)
 
@@ -124,8 +124,8 @@ class Metrics:
                                           "device_error).", ["model", "reason"], registry=r)
         self.samples = Counter("voxserve_samples", "Samples inferred successfully.", ["model"], registry=r)
         self.input_bytes = Counter("voxserve_input_bytes", "Input tensor bytes received.", ["model"], registry=r)
-        # multiprocess_mode: how the supervisor of --replicas combines its replicas' values (server/replicas.py;
-        # ignored in a single process).
+        # multiprocess_mode: how the supervisor of --replicas combines its replicas' values
+        # (server/topology/supervisor.py; ignored in a single process).
         self.inflight = Gauge("voxserve_inflight_requests", "Inference requests being served now.", ["model"],
                               registry=r, multiprocess_mode="livesum")
         self.queue_depth = Gauge("voxserve_queue_depth", "Requests waiting for the runner.", ["model"], registry=r,

@@ -90,7 +90,7 @@ class ServeProcess:
 def serve_process(log_path: Path, *flags: str) -> Iterator[ServeProcess]:
     """``voxserve serve`` (and whatever it supervises) in a child process on free loopback ports; killed if still
     running at the end, its log printed and kept in ``.log``."""
-    from .test_lifecycle import _free_port
+    from .e2e.test_lifecycle import _free_port
 
     grpc_port, metrics_port = _free_port(), _free_port()
     log = open(log_path, "w+")  # noqa: SIM115 - the server process writes it until the end

@@ -234,7 +234,7 @@ def _health(args: argparse.Namespace) -> int:
 
 def _weights(args: argparse.Namespace) -> int:
     from voxserve.kernels import reference_weights
-    from voxserve.server import weights as weights_io
+    from voxserve.server.core import weights as weights_io
 
     try:
         if args.weights_command == "default":

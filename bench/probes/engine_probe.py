@@ -32,16 +32,16 @@ SHAPE = (1, 3, 3, 3, 3)
 
 
 def engine_main(path: str, batching: bool) -> None:
-    from voxserve.server.engine import run_engine
     from voxserve.server.settings import Settings
+    from voxserve.server.topology.engine import run_engine
 
-    run_engine(Settings(device="cpu", batching=batching, log_level="WARNING"), path, 0, None, lambda: None)
+    run_engine(Settings(device="cpu", batching=batching, log_level="WARNING"), path, 0, None)
 
 
 async def drive(path: str, engine_pid: int, concurrency: int, seconds: float, batching: bool) -> dict:
-    from voxserve.server.ipc import Arena
-    from voxserve.server.remote import RemoteRunner
-    from voxserve.server.runner import BatchingConfig
+    from voxserve.server.core.batching import BatchingConfig
+    from voxserve.server.topology.ipc import Arena
+    from voxserve.server.topology.remote import RemoteRunner
 
     runner = await RemoteRunner.connect([path], Arena(64 << 20), 0, BatchingConfig(batching, 0.0, 4096))
     x = np.random.default_rng().standard_normal(SHAPE, dtype=np.float32)

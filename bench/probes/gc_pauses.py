@@ -1,5 +1,5 @@
 """The garbage collector's full collections in a serving process, with the start-up objects frozen (what
-the server does once ready: server/heap.py) and without (unfrozen again right after start-up).
+the server does once ready: server/core/heap.py) and without (unfrozen again right after start-up).
 
     python bench/probes/gc_pauses.py [--seconds 15] [--weights W.safetensors] \\
         [--out bench/results/gc-pauses-<machine>.md]

@@ -250,9 +250,10 @@ def decode_status(data: bytes, spec, shm=None) -> grpc.StatusCode:
     """The in-process half of the property: parse and validate ``data`` as the server does.
 
     Returns OK or the refusal's code; any other exception propagates (that is a bug)."""
-    from voxserve.server import codec
-    from voxserve.server.errors import ServingError
-    from voxserve.server.service import MalformedRequest, _tolerant_parser
+    from voxserve.server.core.errors import ServingError
+    from voxserve.server.protocol import codec
+    from voxserve.server.protocol.service import MalformedRequest, _tolerant_parser
+    from voxserve.server.protocol.status import grpc_code
 
     request = _tolerant_parser(pb.ModelInferRequest)(data)
     try:
@@ -261,7 +262,7 @@ def decode_status(data: bytes, spec, shm=None) -> grpc.StatusCode:
         codec.decode_request(request.message, spec, shm, request.raw)
     except ServingError as exc:
         assert exc.message, "a refusal must say why"
-        return exc.code
+        return grpc_code(exc.code)
     return grpc.StatusCode.OK
 
 

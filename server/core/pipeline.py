@@ -1,0 +1,333 @@
+"""The GPU data path: pinned staging, a copy stream and a compute stream, so batches overlap.
+
+For each execution (at most max_batch samples):
+
+    request bytes --(1: host copy, also merges a batch)--> pinned staging slot
+                  --(2: DMA, copy stream)--> device input buffer of the slot
+                  --(kernel, compute stream, after the copy's event)--> (N, Cout) on the device
+                  --(3: DMA of N x Cout floats, compute stream)--> pinned output of the slot
+
+``submit`` does the host copy and enqueues the rest without waiting; ``wait`` blocks on the execution's
+last event and returns its output, or, on an event loop, a CompletionWatcher is woken when the execution
+has finished and ``finish`` returns it. With ``depth`` slots, the host copy and DMA of batch i+1 run while
+batch i computes and batch i-1's output comes back. Copy 1 is the only one of the input on the host:
+the request's bytes are viewed, not copied, up to here (``np.frombuffer`` over protobuf's bytes; where
+protobuf materialises ``raw_input_contents`` as a Python bytes object, that is protobuf's own copy at
+parse time). Where the batcher used to concatenate a batch, the staging copy now does it.
+
+Inputs already in page-locked memory (a shared-memory input: the server reads client segments into pinned
+buffers, see ``pinned_buffer``; a front end's arena, which the engine of --frontends registers) skip copy 1
+when every request of the batch is: the DMAs read them in place.
+
+Every time in the returned ExecutionTimes comes from CUDA events, except the host copy's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import bisect
+import collections
+import contextlib
+import os
+import queue
+import threading
+import time
+import warnings
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from voxserve.kernels import cuda as fused_cuda
+from voxserve.kernels.ops import TORCH_DTYPES
+
+# Small batches run as captured CUDA graphs, one per (bucket, sample shape): a batch of N samples is padded
+# with zero samples up to the next bucket, so the dynamic batcher's varying sizes reuse a handful of graphs
+# instead of capturing (a device-wide synchronisation and a garbage collection each) one per size.
+GRAPH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+
+# Host copies from this size on use torch's multi-threaded copy; smaller ones a single memcpy.
+PARALLEL_COPY_BYTES = 4 * 1024 * 1024
+
+
+# Long-lived page-locked host ranges, (start, end) sorted by start, replaced whole on a change (readers on
+# other threads see one version or the other).
+_LOCKED: tuple[tuple[int, int], ...] = ()
+_locked_lock = threading.Lock()
+
+
+def register_page_locked(address: int, nbytes: int) -> None:
+    """Note that [address, address + nbytes) stays page-locked for the life of the process (memory registered
+    with cudaHostRegister and never unregistered), so submit need not ask CUDA for each source in it."""
+    global _LOCKED
+    with _locked_lock:
+        _LOCKED = tuple(sorted((*_LOCKED, (address, address + nbytes))))
+
+
+def _registered(address: int, nbytes: int) -> bool:
+    locked = _LOCKED
+    i = bisect.bisect_right(locked, (address, float("inf"))) - 1
+    return i >= 0 and locked[i][1] >= address + nbytes
+
+
+def pinned_buffer(nbytes: int) -> memoryview:
+    """Page-locked host memory (torch's caching host allocator) as a writable buffer."""
+    return memoryview(torch.empty(nbytes, dtype=torch.uint8, pin_memory=True).numpy())
+
+
+def graph_bucket(samples: int, sample_bytes: int, max_input_bytes: int) -> int:
+    """The padded batch size for ``samples`` (itself when no bucket applies)."""
+    for bucket in GRAPH_BUCKETS:
+        if bucket >= samples:
+            return bucket if bucket * sample_bytes <= max_input_bytes else samples
+    return samples
+
+
+def _round_up(n: int) -> int:
+    return 1 << max(20, (n - 1).bit_length())  # powers of two from 1 MiB: few re-allocations
+
+
+class _Slot:
+    """Pinned host input, device input, pinned host output and the timing events of one execution in flight.
+
+    The events are made once per slot (a slot is reused only after its execution's last event completed)
+    instead of five new CUDA events per execution: in a py-spy profile of two runners on two GPUs, event
+    creation + record were ~17 % of the submit threads' samples."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.host = torch.empty(0, dtype=torch.uint8)
+        self.dev = torch.empty(0, dtype=torch.uint8, device=device)
+        self.out = torch.empty(0, dtype=torch.float32)
+        with torch.cuda.device(device):
+            self.events = tuple(torch.cuda.Event(enable_timing=True) for _ in range(5))
+
+    def reserve(self, nbytes: int, out_floats: int) -> None:
+        if self.host.numel() < nbytes:
+            size = _round_up(nbytes)
+            self.host = torch.empty(size, dtype=torch.uint8, pin_memory=True)
+            self.dev = torch.empty(size, dtype=torch.uint8, device=self.device)
+        if self.out.numel() < out_floats:
+            self.out = torch.empty(max(out_floats, 4096), dtype=torch.float32, pin_memory=True)
+
+
+@dataclass
+class Pending:
+    """One execution in flight: its slot, its events and what the host copy took."""
+
+    slot: _Slot
+    samples: int
+    cout: int
+    host_copy_ns: int
+    events: tuple[torch.cuda.Event, ...]  # h2d start, h2d end, compute start, compute end, d2h end
+    source: list[np.ndarray] | None = None  # page-locked request arrays the DMA reads in place: alive until done
+    released: bool = False  # its slot is back in the free list
+
+
+class CudaPipeline:
+    def __init__(self, model, depth: int = 3) -> None:
+        self.model = model
+        self.device = model.device
+        self.copy_stream = torch.cuda.Stream(self.device)
+        self.compute_stream = torch.cuda.Stream(self.device)
+        self._free: queue.Queue[_Slot] = queue.Queue()
+        for _ in range(depth):
+            self._free.put(_Slot(self.device))
+        self.depth = depth
+        # Written (by a CUDA host function) when an execution submitted with notify=True finishes. Open for the
+        # pipeline's life: a host function still queued must never write into a descriptor number reused since.
+        self.completion_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+        self.staged_bytes = 0  # host bytes copied into staging, ever (the copy-count tests read it)
+        self.direct_bytes = 0  # bytes sent to the GPU straight from pinned request buffers, ever
+        self._lock = threading.Lock()
+
+    @staticmethod
+    def _sources(arrays: list[np.ndarray]) -> list[torch.Tensor]:
+        """The arrays' bytes as flat uint8 tensors (views, not copies)."""
+        with warnings.catch_warnings():  # request bytes are read-only; they are only read here
+            warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+            return [torch.from_numpy(np.ascontiguousarray(a).reshape(-1).view(np.uint8)) for a in arrays]
+
+    def _page_locked_spans(self, arrays: list[np.ndarray]) -> np.ndarray | None:
+        """(address, bytes) of each array when every one lies in page-locked memory, else None.
+
+        Addresses in a range registered with register_page_locked (a front end's arena in the engine) are
+        known at the cost of a search; others are asked of CUDA, through torch, which costs more (this runs
+        once per request of every batch)."""
+        spans = []
+        for a in arrays:
+            if not a.flags.c_contiguous:
+                return None
+            address = a.__array_interface__["data"][0]
+            if not (_registered(address, a.nbytes) or self._sources([a])[0].is_pinned()):
+                return None
+            spans.append((address, a.nbytes))
+        return np.array(spans, dtype=np.int64).reshape(-1, 2)
+
+    def submit(self, arrays: list[np.ndarray], datatype: str, wait_for_slot: bool = True, notify: bool = False,
+               max_host_copy: int | None = None) -> Pending | None:
+        """Stage ``arrays`` (same sample shape, wire-typed) as one batch and enqueue its execution; with
+        ``notify``, ``completion_fd`` becomes readable when it has finished (see CompletionWatcher).
+
+        Blocks while all ``depth`` slots are in flight; with ``wait_for_slot=False`` returns None instead. With
+        ``max_host_copy``, returns None (nothing enqueued) when the batch would copy more bytes than that on
+        the host (page-locked sources copy none)."""
+        samples = sum(int(a.shape[0]) for a in arrays)
+        nbytes = sum(a.nbytes for a in arrays)
+        # Sources already in page-locked memory (shared-memory inputs; a front end's arena, which the engine
+        # registers) go to the GPU in place, gathered by one call; otherwise they are merged into the slot's
+        # staging.
+        direct = self._page_locked_spans(arrays)
+        if direct is None and max_host_copy is not None and nbytes > max_host_copy:
+            return None
+        graphs = self.model.graphs
+        padded = graph_bucket(samples, nbytes // samples, graphs.max_input_bytes) if graphs is not None else samples
+        padded_bytes = nbytes // samples * padded
+        shape = (padded, *arrays[0].shape[1:])
+        cout = self.model.cout
+        try:
+            slot = self._free.get(block=wait_for_slot)
+        except queue.Empty:
+            return None
+        try:
+            slot.reserve(padded_bytes, padded * cout)
+            t0 = time.perf_counter_ns()
+            if direct is None:
+                offset = 0
+                for src in self._sources(arrays):  # copy 1: into pinned memory
+                    if src.numel() >= PARALLEL_COPY_BYTES:  # torch's copy is multi-threaded for large tensors
+                        slot.host[offset : offset + src.numel()].copy_(src)
+                    else:  # one memcpy: cheaper than waking a thread pool on a busy machine
+                        slot.host[offset : offset + src.numel()].numpy()[:] = src.numpy()
+                    offset += src.numel()
+            host_copy_ns = time.perf_counter_ns() - t0
+            with self._lock:
+                if direct is None:
+                    self.staged_bytes += nbytes
+                else:
+                    self.direct_bytes += nbytes
+            events = slot.events
+            h2d_start, h2d_end, start, end, done = events
+            with torch.cuda.stream(self.copy_stream):
+                h2d_start.record()
+                if direct is None:
+                    slot.dev[:nbytes].copy_(slot.host[:nbytes], non_blocking=True)  # copy 2
+                else:
+                    fused_cuda.copy_spans(slot.dev, direct, self.copy_stream)
+                if padded_bytes > nbytes:
+                    slot.dev[nbytes:padded_bytes].zero_()
+                h2d_end.record()
+            x = slot.dev[:padded_bytes].view(TORCH_DTYPES[datatype]).view(shape)
+            with torch.cuda.stream(self.compute_stream):
+                self.compute_stream.wait_event(h2d_end)
+                start.record()
+                y = self.model.compute(x)
+                end.record()
+                slot.out[: samples * cout].view(samples, cout).copy_(y[:samples], non_blocking=True)  # 3: N x Cout
+                done.record()
+                if notify:
+                    fused_cuda.notify(self.compute_stream, self.completion_fd)
+        except BaseException:
+            self._free.put(slot)
+            raise
+        return Pending(slot, samples, cout, host_copy_ns, events, arrays if direct is not None else None)
+
+    def wait(self, pending: Pending) -> tuple[np.ndarray, int, int, int]:
+        """Block until ``pending`` finished; (output (N, Cout) float32, input ns, compute ns, output ns)."""
+        try:
+            pending.events[-1].synchronize()
+        except BaseException:
+            self.release(pending)
+            raise
+        return self.finish(pending)
+
+    def finish(self, pending: Pending) -> tuple[np.ndarray, int, int, int]:
+        """Once ``pending`` has finished: ``wait``'s result, and the slot back for the next execution."""
+        h2d_start, h2d_end, start, end, done = pending.events
+        try:
+            pending.source = None
+            out = pending.slot.out[: pending.samples * pending.cout].numpy().reshape(pending.samples, pending.cout)
+            out = out.copy()  # the slot is reused as soon as it is released
+            input_ns = pending.host_copy_ns + int(h2d_start.elapsed_time(h2d_end) * 1e6)
+            infer_ns = int(start.elapsed_time(end) * 1e6)
+            output_ns = int(end.elapsed_time(done) * 1e6)
+        finally:
+            self.release(pending)
+        return out, input_ns, infer_ns, output_ns
+
+    def release(self, pending: Pending) -> None:
+        """Return ``pending``'s slot (once; after a failed wait too)."""
+        if not pending.released:
+            pending.released = True
+            self._free.put(pending.slot)
+
+    def reset(self) -> None:
+        """After a fault: wait for the streams, drop the staging memory (it is re-reserved on demand)."""
+        for stream in (self.copy_stream, self.compute_stream):
+            stream.synchronize()
+        drained = 0
+        while not self._free.empty():  # slots in flight come back through finish() and keep their memory
+            self._free.get_nowait()
+            drained += 1
+        for _ in range(drained):
+            self._free.put(_Slot(self.device))
+
+
+class CompletionWatcher:
+    """Executions in flight on one pipeline, each resolved on the event loop as it finishes.
+
+    The pipeline's host function makes ``completion_fd`` readable after each execution submitted with
+    ``notify=True``; the loop then checks the oldest executions' last events (one stream: they finish in order)
+    and resolves their futures. No thread waits for the GPU, so none has to take the interpreter lock back
+    from a busy loop to report an end (on a busy engine that hand-back cost milliseconds per execution). A slow
+    poll backs the wake-ups up, so an execution whose host function never runs (a failed context) still ends,
+    with the error its event reports."""
+
+    POLL_S = 0.05
+
+    def __init__(self, pipeline: CudaPipeline, loop: asyncio.AbstractEventLoop) -> None:
+        self.pipeline = pipeline
+        self.loop = loop
+        self._inflight: collections.deque[tuple[Pending, asyncio.Future]] = collections.deque()
+        self._poll: asyncio.TimerHandle | None = None
+        loop.add_reader(pipeline.completion_fd, self._wake)
+
+    def done(self, pending: Pending) -> asyncio.Future:
+        """A future that is set once ``pending`` (submitted with notify=True, after every earlier one) finished."""
+        future = self.loop.create_future()
+        self._inflight.append((pending, future))
+        self._check()  # it may have finished, and its wake-up been read, before it was handed over
+        if self._inflight and self._poll is None:
+            self._poll = self.loop.call_later(self.POLL_S, self._backstop)
+        return future
+
+    def _wake(self) -> None:
+        with contextlib.suppress(BlockingIOError):  # another wake-up read it first
+            os.eventfd_read(self.pipeline.completion_fd)
+        self._check()
+
+    def _backstop(self) -> None:
+        self._poll = None
+        self._check()
+        if self._inflight:
+            self._poll = self.loop.call_later(self.POLL_S, self._backstop)
+
+    def _check(self) -> None:
+        while self._inflight:
+            pending, future = self._inflight[0]
+            try:
+                if not pending.events[-1].query():
+                    return
+            except Exception as exc:  # the device failed: this execution's error
+                self._inflight.popleft()
+                if not future.done():
+                    future.set_exception(exc)
+                continue
+            self._inflight.popleft()
+            if not future.done():
+                future.set_result(None)
+
+    def close(self) -> None:
+        self.loop.remove_reader(self.pipeline.completion_fd)
+        if self._poll is not None:
+            self._poll.cancel()

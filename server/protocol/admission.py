@@ -1,0 +1,226 @@
+"""Admission of RPCs: the server-wide limit on RPCs in progress, applied to every method the server registers,
+and a fair share of it for every connection.
+
+gRPC's own limit (``maximum_concurrent_rpcs``) takes a slot as soon as a call's headers arrive, before any
+interceptor runs, so calls that are about to be refused (a missing token) and calls nobody will ever finish
+(idle streams of a stranger) count against everyone. Here the limit wraps the method handlers themselves:
+the token check runs first (an interceptor), and a call holds a slot only while its handler runs. What a
+single connection can hold is bounded by HTTP/2 (``grpc.max_concurrent_streams``, set from
+``--max-streams-per-connection``), what an idle stream can hold by ``--stream-idle-timeout-s``.
+
+When every slot is taken, a newcomer is not refused while some connection holds more slots than the
+newcomer's own and one of them is a stream that has been idle (nothing in progress, no message) for
+PREEMPT_IDLE_S: the longest idle such stream of the connection holding the most is ended with UNAVAILABLE
+(clients retry that code) and the newcomer takes its slot. So idle streams spread over many connections
+cannot lock anyone out for their idle timeout, and a connection keeps what it uses: a call in progress is
+never ended for another, and a newcomer whose connection already holds the most is refused.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+from collections import deque
+from collections.abc import AsyncIterator, Callable, Mapping
+
+import grpc
+
+from ..core.errors import exhausted
+from .status import abort
+
+# A stream idle for this long may be ended to make room for another connection's call when the server is full:
+# longer than a streaming client takes between its messages, short enough that streams opened in a burst (or
+# reopened again and again) keep others out for no longer than this.
+PREEMPT_IDLE_S = 0.1
+
+
+class Call:
+    """A call holding a slot, as the limiter sees it. A streaming call's handler may describe itself better than
+    the default (idle since its last message; ended by cancelling it) with ``current_call()``: ``busy`` (it has
+    work in progress), ``on_preempt`` (end it gracefully with UNAVAILABLE and the reason) and ``touch()``."""
+
+    __slots__ = ("busy", "last_active", "on_preempt", "peer", "preempted", "streaming", "task")
+
+    def __init__(self, peer: str, streaming: bool, now: float) -> None:
+        self.peer, self.streaming = peer, streaming
+        self.last_active = now
+        self.busy: Callable[[], bool] = lambda: False
+        self.on_preempt: Callable[[str], None] | None = None
+        self.preempted: str | None = None  # the reason, once it was ended for another call
+        self.task = asyncio.current_task()
+
+    def touch(self) -> None:
+        self.last_active = asyncio.get_running_loop().time()
+
+    def idle_since(self) -> float | None:
+        """When it last did something, if it may be ended for another call now (an idle stream); else None."""
+        return None if not self.streaming or self.busy() else self.last_active
+
+
+_current: contextvars.ContextVar[Call | None] = contextvars.ContextVar("voxserve_admitted_call", default=None)
+
+
+def current_call() -> Call | None:
+    """The call the running handler holds its slot for (None outside a limited handler)."""
+    return _current.get()
+
+
+class RpcLimiter:
+    """At most ``limit`` RPCs in progress, over every method wrapped with ``handler()``, shared fairly between
+    connections (see the module's docstring). A call over the limit is answered RESOURCE_EXHAUSTED, naming the
+    limit, and ``on_refused(method)`` is told (for its metrics)."""
+
+    def __init__(self, limit: int, on_refused: Callable[[str], None] | None = None) -> None:
+        self.limit = limit
+        self.preempted = 0  # streams ended to make room for other connections' calls
+        self._by_peer: dict[str, set[Call]] = {}
+        self._active = 0
+        self._on_refused = on_refused or (lambda method: None)
+        self._refusal = exhausted(f"the server has {limit} RPCs in progress, its limit (--max-concurrent-rpcs); "
+                                  f"retry later")
+
+    @property
+    def active(self) -> int:
+        return self._active
+
+    def handler(self, method: str, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+        """``handler`` with its behaviour counted against the limit (same kind, same (de)serialisers)."""
+        kwargs = {"request_deserializer": handler.request_deserializer,
+                  "response_serializer": handler.response_serializer}
+        if handler.unary_unary:
+            return grpc.unary_unary_rpc_method_handler(self._unary(method, handler.unary_unary), **kwargs)
+        if handler.stream_unary:
+            return grpc.stream_unary_rpc_method_handler(self._unary(method, handler.stream_unary), **kwargs)
+        if handler.unary_stream:
+            return grpc.unary_stream_rpc_method_handler(self._streaming(method, handler.unary_stream), **kwargs)
+        return grpc.stream_stream_rpc_method_handler(
+            self._streaming(method, handler.stream_stream, reads=True), **kwargs)
+
+    def service(self, name: str, handlers: Mapping[str, grpc.RpcMethodHandler]) -> grpc.GenericRpcHandler:
+        """The generic handler of service ``name`` with each of its methods counted against the limit."""
+        return grpc.method_handlers_generic_handler(
+            name, {m: self.handler(f"/{name}/{m}", h) for m, h in handlers.items()})
+
+    async def _admit(self, method: str, context, streaming: bool) -> Call:
+        peer = context.peer() or ""
+        if self._active >= self.limit and not self._preempt_for(peer):
+            self._on_refused(method)
+            await abort(context, self._refusal)
+        call = Call(peer, streaming, asyncio.get_running_loop().time())
+        self._by_peer.setdefault(peer, set()).add(call)
+        self._active += 1
+        return call
+
+    def _release(self, call: Call) -> None:
+        if call.preempted is None:  # a preempted call gave its slot away already
+            self._drop(call)
+
+    def _drop(self, call: Call) -> None:
+        held = self._by_peer[call.peer]
+        held.discard(call)
+        if not held:
+            del self._by_peer[call.peer]
+        self._active -= 1
+
+    def _preempt_for(self, peer: str) -> bool:
+        """End the longest idle stream of the connection holding the most slots, if that is more than ``peer``
+        holds; True if a slot was freed so."""
+        mine = len(self._by_peer.get(peer, ()))
+        latest = asyncio.get_running_loop().time() - PREEMPT_IDLE_S
+        for calls in sorted(self._by_peer.values(), key=len, reverse=True):
+            if len(calls) <= mine:
+                return False
+            idle = [(since, call) for call in calls if (since := call.idle_since()) is not None and since <= latest]
+            if idle:
+                victim = min(idle, key=lambda pair: pair[0])[1]
+                self._drop(victim)
+                self.preempted += 1
+                victim.preempted = ("the server is at its limit of RPCs in progress (--max-concurrent-rpcs) and "
+                                    "this connection held more than its share: this idle stream was ended for "
+                                    "another client's call; open it again")
+                if victim.on_preempt is not None:
+                    victim.on_preempt(victim.preempted)
+                elif victim.task is not None:
+                    victim.task.cancel()
+                return True
+        return False
+
+    def _unary(self, method: str, behavior):
+        async def limited(request, context):
+            call = await self._admit(method, context, streaming=False)
+            try:
+                return await behavior(request, context)
+            finally:
+                self._release(call)
+
+        return limited
+
+    def _streaming(self, method: str, behavior, reads: bool = False):
+        async def limited(request, context):
+            call = await self._admit(method, context, streaming=True)
+            _current.set(call)  # the call's task is its own: nothing to reset
+            try:
+                result = behavior(_touching(request, call) if reads else request, context)
+                if hasattr(result, "__aiter__"):  # an async generator: pass its messages on
+                    async for response in result:
+                        yield response
+                else:  # a coroutine that writes with context.write (grpc_health's Watch)
+                    await result
+            except asyncio.CancelledError:
+                if call.preempted is None or call.on_preempt is not None:
+                    raise
+                asyncio.current_task().uncancel()
+                await context.abort(grpc.StatusCode.UNAVAILABLE, call.preempted)
+            finally:
+                self._release(call)
+
+        return limited
+
+
+async def _touching(requests: AsyncIterator, call: Call) -> AsyncIterator:
+    """``requests``, marking ``call`` active at each message."""
+    async for request in requests:
+        call.touch()
+        yield request
+
+
+class ByteBudget:
+    """At most ``limit`` bytes held at once by the requests that acquired them (the server's private copies of
+    shared-memory inputs). Requests wait for room in the order they asked; one that alone needs more than the
+    limit is refused RESOURCE_EXHAUSTED at once. Event-loop only."""
+
+    def __init__(self, limit: int, what: str, flag: str) -> None:
+        self.limit, self.used = limit, 0
+        self._what, self._flag = what, flag
+        self._waiters: deque[tuple[int, asyncio.Future[None]]] = deque()
+
+    async def acquire(self, nbytes: int) -> None:
+        """Take ``nbytes``, waiting for room (a cancelled wait takes nothing); release them with ``release``."""
+        if nbytes > self.limit:
+            raise exhausted(f"{self._what} of {nbytes} bytes exceeds {self._flag} {self.limit}")
+        if not self._waiters and self.used + nbytes <= self.limit:
+            self.used += nbytes
+            return
+        waiter = asyncio.get_running_loop().create_future()
+        entry = (nbytes, waiter)
+        self._waiters.append(entry)
+        try:
+            await waiter
+        except asyncio.CancelledError:
+            if waiter.done() and not waiter.cancelled():  # room was granted as the wait was cancelled: hand it on
+                self.release(nbytes)
+            else:
+                self._waiters.remove(entry)
+                self._grant()  # a smaller request behind this one may fit now
+            raise
+
+    def release(self, nbytes: int) -> None:
+        self.used -= nbytes
+        self._grant()
+
+    def _grant(self) -> None:
+        while self._waiters and self.used + self._waiters[0][0] <= self.limit:
+            nbytes, waiter = self._waiters.popleft()
+            if not waiter.done():
+                self.used += nbytes
+                waiter.set_result(None)

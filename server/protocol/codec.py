@@ -1,0 +1,227 @@
+"""Protocol <-> model translation: decode and validate a ModelInferRequest, encode the response.
+
+Every rejection is a ServingError naming the field, the value and the limit.
+Input bytes are viewed, not copied: ``np.frombuffer`` over the request's bytes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from voxserve.datatypes import INPUT_DATATYPES, ITEMSIZE, WIRE_DTYPE
+from voxserve.proto import pb
+
+from ..core.errors import exhausted, invalid, not_found, shown, unimplemented
+
+INPUT_NAME = "input"
+OUTPUT_NAME = "output"
+DIM_NAMES = ("N", "Cin", "D", "H", "W")
+REGION_PARAM, OFFSET_PARAM, SIZE_PARAM = "shared_memory_region", "shared_memory_offset", "shared_memory_byte_size"
+# The request id is echoed in the response: a longer one is refused, so that no client makes the server hold
+# copies of an upload it chose to make large (an unread response keeps its id in memory).
+MAX_ID_CHARS = 256
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """What a request is checked against."""
+
+    name: str
+    version: str
+    cin: int
+    cout: int
+    k: int
+    max_request_samples: int
+    max_request_voxels: int = 1 << 25
+
+
+@dataclass(frozen=True)
+class SharedMemoryRef:
+    region: str
+    offset: int
+    byte_size: int | None  # None: not given (outputs)
+
+
+@dataclass(frozen=True)
+class InferInput:
+    array: np.ndarray  # wire-typed view (N, Cin, D, H, W); BF16 as uint16 bits
+    datatype: str
+    typed_response: bool  # the client sent typed contents: answer the same way
+    output_shm: SharedMemoryRef | None = None  # write the output there instead of into the response
+
+    @property
+    def samples(self) -> int:
+        return int(self.array.shape[0])
+
+
+def check_model(served_name: str, served_version: str, name: str, version: str, reveal: bool = True) -> None:
+    """NOT_FOUND unless (name, version) addresses the served model (an empty version means any). ``reveal``:
+    whether the message may name what is served (not to a caller who may not have authenticated)."""
+    if name != served_name:
+        served = f"; this server serves '{served_name}'" if reveal else ""
+        raise not_found(f"model '{shown(name)}' is not served here{served}")
+    if version and version != served_version:
+        available = f"; available: '{served_version}'" if reveal else ""
+        raise not_found(f"model '{shown(name)}' has no version '{shown(version)}'{available}")
+
+
+def _check_shape(spec: ModelSpec, shape: list[int]) -> tuple[int, ...]:
+    if len(shape) != 5:
+        raise invalid(f"input '{INPUT_NAME}' has shape {shown(str(shape))} (rank {len(shape)}); "
+                      f"expected rank 5: [N, {spec.cin}, D, H, W]")
+    for axis, (dim, label) in enumerate(zip(shape, DIM_NAMES, strict=True)):
+        if dim < 1:
+            raise invalid(f"input '{INPUT_NAME}' dimension {axis} ({label}) is {dim}; every dimension must be >= 1")
+    if shape[1] != spec.cin:
+        raise invalid(f"input '{INPUT_NAME}' has {shape[1]} channels (dimension 1); the model expects Cin={spec.cin}")
+    for axis in (2, 3, 4):
+        if shape[axis] < spec.k:
+            raise invalid(f"input '{INPUT_NAME}' {DIM_NAMES[axis]}={shape[axis]} is smaller than the kernel size "
+                          f"k={spec.k}; D, H and W must each be >= {spec.k}")
+    if shape[0] > spec.max_request_samples:
+        raise exhausted(f"input '{INPUT_NAME}' has N={shape[0]} samples; at most {spec.max_request_samples} "
+                        f"are accepted per request (--max-request-samples)")
+    voxels = shape[0] * shape[2] * shape[3] * shape[4]  # Python ints: exact for any int64 the client sends
+    if voxels > spec.max_request_voxels:
+        raise exhausted(f"input '{INPUT_NAME}' shape {shape} holds {voxels} voxels (N x D x H x W); at most "
+                        f"{spec.max_request_voxels} are accepted per request (--max-request-voxels)")
+    return tuple(int(d) for d in shape)
+
+
+def _shm_ref(parameters, what: str) -> SharedMemoryRef | None:
+    """The shared-memory parameters of a tensor, checked for type and sign; None when it has none."""
+    if REGION_PARAM not in parameters:
+        for param in (OFFSET_PARAM, SIZE_PARAM):
+            if param in parameters:
+                raise invalid(f"{what} sets '{param}' without '{REGION_PARAM}'")
+        return None
+    region = parameters[REGION_PARAM]
+    if region.WhichOneof("parameter_choice") != "string_param":
+        raise invalid(f"{what}: '{REGION_PARAM}' must be a string parameter")
+    values = {}
+    for param in (OFFSET_PARAM, SIZE_PARAM):
+        if param in parameters:
+            p = parameters[param]
+            kind = p.WhichOneof("parameter_choice")
+            if kind not in ("int64_param", "uint64_param"):
+                raise invalid(f"{what}: '{param}' must be an integer parameter")
+            values[param] = getattr(p, kind)
+            if values[param] < 0:
+                raise invalid(f"{what}: '{param}' is {values[param]}; it must be >= 0")
+    return SharedMemoryRef(region.string_param, values.get(OFFSET_PARAM, 0), values.get(SIZE_PARAM))
+
+
+def shared_memory_input_bytes(request: pb.ModelInferRequest) -> int | None:
+    """The bytes a request's shared-memory input declares (decoding it copies that many), or None when its input
+    is not in shared memory. Only its type is checked here; decode_request checks it against the shape."""
+    for tensor in request.inputs:
+        if REGION_PARAM in tensor.parameters:
+            ref = _shm_ref(tensor.parameters, f"input '{shown(tensor.name)}'")
+            return ref.byte_size or 0
+    return None
+
+
+def decode_request(request: pb.ModelInferRequest, spec: ModelSpec, shm=None,
+                   raw_contents: Sequence[bytes | memoryview] | None = None) -> InferInput:
+    """Validate ``request`` against the model and return its input as an array (a zero-copy view of
+    raw bytes; a private copy of shared memory). ``shm``: the SharedMemoryRegistry, if the server has one.
+    ``raw_contents``: the raw tensor bytes when they were kept out of the message (server/protocol/wire.py)."""
+    if raw_contents is None:
+        raw_contents = request.raw_input_contents
+    check_model(spec.name, spec.version, request.model_name, request.model_version)
+    if len(request.inputs) != 1:
+        names = shown(str([t.name for t in request.inputs]))
+        raise invalid(f"request has {len(request.inputs)} inputs {names}; model '{spec.name}' takes exactly one, "
+                      f"'{INPUT_NAME}'")
+    tensor = request.inputs[0]
+    if tensor.name != INPUT_NAME:
+        raise invalid(f"unknown input '{shown(tensor.name)}'; model '{spec.name}' has one input, '{INPUT_NAME}'")
+    input_shm = _shm_ref(tensor.parameters, f"input '{INPUT_NAME}'")
+    output_shm = _shm_ref(request.outputs[0].parameters, f"output '{OUTPUT_NAME}'") if request.outputs else None
+    if (input_shm or output_shm) and shm is None:
+        raise unimplemented("this server does not offer system shared memory")
+    if tensor.datatype not in INPUT_DATATYPES:
+        raise invalid(f"input '{INPUT_NAME}' has datatype '{shown(tensor.datatype)}'; supported: "
+                      f"{', '.join(INPUT_DATATYPES)}")
+    requested = [o.name for o in request.outputs]
+    for name in requested:
+        if name != OUTPUT_NAME:
+            raise invalid(f"unknown output '{shown(name)}' requested; model '{spec.name}' has one output, "
+                          f"'{OUTPUT_NAME}'")
+    if len(requested) > 1:
+        raise invalid(f"output '{OUTPUT_NAME}' is requested {len(requested)} times; request it at most once")
+
+    shape = _check_shape(spec, list(tensor.shape))
+    elements = 1
+    for dim in shape:
+        elements *= dim  # Python ints: no overflow, whatever the client sent
+    datatype = tensor.datatype
+    # The typed-contents fields the client set (ListFields lists only non-empty ones, in field order).
+    typed = [fd.name for fd, _ in tensor.contents.ListFields()] if tensor.HasField("contents") else []
+    if output_shm is not None:
+        needed = shape[0] * spec.cout * 4
+        if output_shm.byte_size is not None and output_shm.byte_size < needed:
+            raise invalid(f"output '{OUTPUT_NAME}': {SIZE_PARAM} {output_shm.byte_size} is less than the "
+                          f"{needed} bytes of the [{shape[0]}, {spec.cout}] FP32 output")
+        output_shm = SharedMemoryRef(output_shm.region, output_shm.offset, needed)
+
+    if input_shm is not None:
+        if raw_contents or typed:
+            raise invalid(f"input '{INPUT_NAME}' is in shared memory and must carry no other data")
+        expected = elements * ITEMSIZE[datatype]
+        if input_shm.byte_size != expected:
+            raise invalid(f"input '{INPUT_NAME}' shape {list(shape)} of {datatype} needs {expected} bytes; "
+                          f"'{SIZE_PARAM}' is {input_shm.byte_size}")
+        data = shm.read(input_shm.region, input_shm.offset, expected, f"input '{INPUT_NAME}'")
+        return InferInput(np.frombuffer(data, dtype=WIRE_DTYPE[datatype]).reshape(shape), datatype, False,
+                          output_shm)
+
+    if raw_contents:
+        if typed:
+            raise invalid(f"input '{INPUT_NAME}' sets both raw_input_contents and contents.{typed[0]}; send one")
+        if len(raw_contents) != 1:
+            raise invalid(f"raw_input_contents has {len(raw_contents)} entries; expected 1, one per "
+                          f"input")
+        raw = raw_contents[0]
+        expected = elements * ITEMSIZE[datatype]
+        if len(raw) != expected:
+            raise invalid(f"input '{INPUT_NAME}' shape {list(shape)} of {datatype} needs {expected} bytes; "
+                          f"raw_input_contents[0] holds {len(raw)}")
+        return InferInput(np.frombuffer(raw, dtype=WIRE_DTYPE[datatype]).reshape(shape), datatype, False,
+                          output_shm)
+
+    if not typed:
+        raise invalid(f"input '{INPUT_NAME}' carries no data: set raw_input_contents or contents.fp32_contents")
+    if datatype != "FP32":
+        raise invalid(f"input '{INPUT_NAME}' is {datatype}: {datatype} travels only in raw_input_contents "
+                      f"(typed contents exist for FP32 only)")
+    if typed != ["fp32_contents"]:
+        raise invalid(f"input '{INPUT_NAME}' is FP32 but sets contents.{next(f for f in typed if f != 'fp32_contents')}"
+                      f"; FP32 data goes in contents.fp32_contents")
+    values = tensor.contents.fp32_contents
+    if len(values) != elements:
+        raise invalid(f"input '{INPUT_NAME}' shape {list(shape)} needs {elements} values; contents.fp32_contents "
+                      f"holds {len(values)}")
+    return InferInput(np.asarray(values, dtype=np.float32).reshape(shape), datatype, True, output_shm)
+
+
+def encode_response(request: pb.ModelInferRequest, spec: ModelSpec, output: np.ndarray,
+                    decoded: InferInput, shm=None) -> pb.ModelInferResponse:
+    """Build the response: FP32 (N, Cout) in raw_output_contents, typed if the request was typed, or written
+    to the requested shared-memory region (then the response carries only the tensor's description)."""
+    response = pb.ModelInferResponse(model_name=spec.name, model_version=spec.version, id=request.id)
+    tensor = response.outputs.add(name=OUTPUT_NAME, datatype="FP32", shape=list(output.shape))
+    out = np.ascontiguousarray(output, dtype="<f4")
+    if decoded.output_shm is not None:
+        ref = decoded.output_shm
+        shm.write(ref.region, ref.offset, out.tobytes(), f"output '{OUTPUT_NAME}'")
+        tensor.parameters[REGION_PARAM].string_param = ref.region
+        tensor.parameters[SIZE_PARAM].int64_param = out.nbytes
+    elif decoded.typed_response:
+        tensor.contents.fp32_contents.extend(out.ravel().tolist())
+    else:
+        response.raw_output_contents.append(out.tobytes())
+    return response

@@ -1,0 +1,348 @@
+"""The inference hot path of the GRPCInferenceService: ModelInfer and ModelStreamInfer, from the received message
+to the encoded response, each request counted once under the code its client is sent."""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import inspect
+import logging
+import time
+import weakref
+from collections.abc import AsyncIterator
+
+import grpc
+import numpy as np
+
+from voxserve.proto import pb
+
+from ..core.batching import DeadlineExceeded, QueueFull
+from ..core.errors import ServingError, Status, internal, invalid, runner_error, unavailable
+from ..metrics import Metrics
+from . import codec
+from .admission import ByteBudget, current_call
+from .service import MalformedRequest, ServingState
+from .shm import SharedMemoryRegistry
+from .status import grpc_code
+from .wire import InferRequest
+
+log = logging.getLogger(__name__)
+
+STREAM_WINDOW = 64  # requests of one ModelStreamInfer stream in progress at once
+# The client's deadline passes a little before the server's (the server counts from when the headers arrived), and
+# the client then resets the stream. So a call cancelled within the larger of DEADLINE_SLACK_S and
+# DEADLINE_SLACK_SHARE of its timeout before its deadline was cancelled by it; and a response ready within
+# DEADLINE_SLACK_S of it would reach a client that has stopped waiting.
+DEADLINE_SLACK_S = 0.005
+DEADLINE_SLACK_SHARE = 0.1
+
+
+class _Stream:
+    """One open ModelStreamInfer call, as the drain and the idle timer see it."""
+
+    __slots__ = ("close_reason", "idle_timer", "last_message", "reader")
+
+    def __init__(self, now: float) -> None:
+        self.reader: asyncio.Task[None] | None = None
+        self.idle_timer: asyncio.TimerHandle | None = None
+        self.last_message = now
+        self.close_reason: str | None = None
+
+    def close(self, reason: str) -> None:
+        """Stop reading: what the stream has in progress is answered, then it ends UNAVAILABLE with ``reason``."""
+        if self.close_reason is None:
+            self.close_reason = reason
+            if self.reader is not None:
+                self.reader.cancel()
+
+
+class InferenceService:
+    def __init__(self, state: ServingState, metrics: Metrics, model_name: str, model_version: str,
+                 shm: SharedMemoryRegistry | None = None, stream_idle_timeout_s: float = 0.0,
+                 max_shm_inflight_bytes: int = 2**31) -> None:
+        self.shm = shm
+        self.state = state
+        self.metrics = metrics
+        self.model_name = model_name
+        self.model_version = model_version
+        self.stream_idle_timeout_s = stream_idle_timeout_s
+        self._streams: set[_Stream] = set()
+        # The server's private copies of shared-memory inputs, held from the copy until the response.
+        self.shm_budget = ByteBudget(max_shm_inflight_bytes, "shared-memory input", "--max-shm-inflight-bytes")
+
+    def close_streams(self, reason: str) -> None:
+        """End every ModelStreamInfer stream once what it has in progress is answered (the drain)."""
+        for stream in list(self._streams):
+            stream.close(reason)
+
+    # --- inference -----------------------------------------------------------
+
+    async def ModelInfer(self, request_iterator, context):
+        timeout_s = context.time_remaining()
+        deadline = None if timeout_s is None else asyncio.get_running_loop().time() + timeout_s
+        slack_s = max(DEADLINE_SLACK_S, DEADLINE_SLACK_SHARE * (timeout_s or 0))
+        try:
+            parsed = await context.read()
+        except asyncio.CancelledError:  # the call ended (its deadline, the client) while its message arrived
+            self.metrics.count_request(self._end_code(context, deadline, slack_s, Status.CANCELLED).name)
+            raise
+        if parsed is grpc.aio.EOF:  # the transport ended the call before its message could be read
+            # (over --max-message-bytes, unless the call's deadline came or the client went away)
+            code = self._end_code(context, deadline, slack_s, Status.RESOURCE_EXHAUSTED)
+            self.metrics.count_request(code.name)
+            await self._abort(context, code, "the request message was not received")
+        try:
+            return await self._infer(parsed, deadline, slack_s)
+        except ServingError as exc:
+            await self._abort(context, exc.code, exc.message)
+
+    @staticmethod
+    async def _abort(context, code: Status, message: str) -> None:
+        """End the call with ``code``; one the client already ended (its deadline, a cancel) ends quietly: gRPC
+        logs a failed status send as an error, and a client's deadline is no error of the server's."""
+        if context.cancelled():
+            raise asyncio.CancelledError
+        try:
+            await context.abort(grpc_code(code), message)
+        except grpc.aio.AbortError:
+            raise
+        except Exception:  # the status could not be sent: the client ended the call in the meantime
+            raise asyncio.CancelledError from None
+
+    @staticmethod
+    def _end_code(context, deadline: float | None, slack_s: float, otherwise: Status) -> Status:
+        """The code a client sees for a call that ended before the server answered it: its deadline's, if that was
+        within ``slack_s``; CANCELLED if the client went away; else ``otherwise``."""
+        if deadline is not None and deadline - asyncio.get_running_loop().time() <= slack_s:
+            return Status.DEADLINE_EXCEEDED
+        return Status.CANCELLED if context.cancelled() else otherwise
+
+    async def ModelStreamInfer(self, request_iterator, context) -> AsyncIterator[pb.ModelStreamInferResponse]:
+        """Requests on one stream run concurrently (so they batch with each other and with everyone else's)
+        and are answered in the order they came. At most STREAM_WINDOW are taken in at a time: past that the
+        stream is not read until the oldest has been answered, so a client that sends without reading is
+        held back by HTTP/2 flow control, not buffered. Errors go in the message, not the stream's status,
+        so one bad request does not end the stream. A stream with nothing in progress that receives nothing for
+        --stream-idle-timeout-s, and every stream when the server drains, stops being read: what it has in
+        progress is answered, then it ends UNAVAILABLE."""
+        loop = asyncio.get_running_loop()
+        stream = _Stream(loop.time())
+        window = asyncio.Semaphore(STREAM_WINDOW)
+        pending: collections.deque[asyncio.Future] = collections.deque()  # in the order they came
+        arrived = asyncio.Event()
+        reading = True
+
+        async def take_in() -> None:
+            nonlocal reading
+            try:
+                async for request in request_iterator:
+                    stream.last_message = loop.time()
+                    await window.acquire()
+                    pending.append(asyncio.ensure_future(self._stream_answer(request)))
+                    arrived.set()
+            finally:
+                reading = False
+                arrived.set()
+
+        if self.state.draining:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, self._draining_message())
+        stream.reader = reader = asyncio.create_task(take_in())
+        self._streams.add(stream)
+        if (admitted := current_call()) is not None:  # the limiter may end it for another client while idle
+            admitted.busy = lambda: bool(pending)
+            admitted.on_preempt = stream.close
+        if self.stream_idle_timeout_s > 0:
+            self._watch_idle(stream, pending)
+        try:
+            while pending or reading:
+                if not pending:
+                    arrived.clear()
+                    await arrived.wait()
+                    continue
+                try:
+                    yield await pending[0]
+                finally:
+                    pending.popleft().cancel()  # a no-op once answered; the work of a dropped stream stops
+                    window.release()
+            if stream.close_reason is not None:
+                await self._abort(context, Status.UNAVAILABLE, stream.close_reason)
+            await reader  # the stream's own failure, if reading it failed
+        finally:
+            self._streams.discard(stream)
+            if stream.idle_timer is not None:
+                stream.idle_timer.cancel()
+            reader.cancel()
+            for left in pending:
+                # One that never started is counted here: its own accounting never ran.
+                unstarted = inspect.getcoroutinestate(left.get_coro()) == inspect.CORO_CREATED
+                if left.cancel() and unstarted:
+                    self.metrics.count_request(Status.CANCELLED.name)
+            if reader.done() and not reader.cancelled():
+                reader.exception()  # seen here: the stream's end says the rest
+
+    def _watch_idle(self, stream: _Stream, pending: collections.deque) -> None:
+        """Arm a timer that closes ``stream`` once it has had nothing in progress and no message for the idle
+        timeout; it re-arms itself from the last message, so it costs nothing per message."""
+        loop = asyncio.get_running_loop()
+        timeout = self.stream_idle_timeout_s
+
+        def check() -> None:
+            due = stream.last_message + timeout
+            if pending or loop.time() < due:
+                stream.idle_timer = loop.call_at(max(due, loop.time() + timeout / 4) if pending else due, check)
+            else:
+                stream.close(f"stream idle for {timeout:g} s (--stream-idle-timeout-s); open a new one to send more")
+
+        stream.idle_timer = loop.call_at(stream.last_message + timeout, check)
+
+    async def _stream_answer(self, request: InferRequest | MalformedRequest) -> pb.ModelStreamInferResponse:
+        try:
+            return pb.ModelStreamInferResponse(infer_response=await self._infer(request))
+        except ServingError as exc:
+            response = pb.ModelStreamInferResponse(error_message=f"{exc.code.name}: {exc.message}")
+            if isinstance(request, InferRequest):  # which request it answers, as a response would say
+                response.infer_response.model_name = self.model_name
+                if len(request.message.id) <= codec.MAX_ID_CHARS:
+                    response.infer_response.id = request.message.id
+            return response
+
+    def _draining_message(self) -> str:
+        return f"model '{self.model_name}' is shutting down; retry on another replica"
+
+    async def _infer(self, parsed: InferRequest | MalformedRequest, deadline: float | None = None,
+                     cancel_slack_s: float = DEADLINE_SLACK_S) -> pb.ModelInferResponse:
+        """One request, start to finish, counted exactly once under the code its client is sent. ``deadline``:
+        the call's, in event-loop time (a stream's requests have none of their own); a cancellation within
+        ``cancel_slack_s`` of it is its deadline's."""
+        arrived = time.perf_counter_ns()
+        m = self.metrics.series
+        m.inflight.inc()
+        self.state.inflight += 1
+        admitted = False
+        served = True  # False: the request names a model this server does not serve
+        code = Status.OK
+        held = 0  # shared-memory bytes taken from the budget
+        copy = None  # the private copy they are for
+        try:
+            if isinstance(parsed, MalformedRequest):
+                raise parsed.error()
+            request = parsed.message
+            if request.model_name != self.model_name or (request.model_version
+                                                         and request.model_version != self.model_version):
+                served = False
+                codec.check_model(self.model_name, self.model_version, request.model_name, request.model_version)
+            if len(request.id) > codec.MAX_ID_CHARS:
+                raise invalid(f"request id has {len(request.id)} characters; at most {codec.MAX_ID_CHARS} are "
+                              f"accepted (it is echoed in the response)")
+            spec, runner = self.state.spec, self.state.runner
+            if self.state.draining:
+                raise unavailable(self._draining_message())
+            self.state.accepted += 1  # no await since the check above: a drain cannot start in between
+            self.state.admitted_total += 1
+            admitted = True
+            if runner is not None and runner.device_lost is not None:
+                raise runner.lost_error()
+            if not self.state.ready or spec is None or runner is None:
+                raise unavailable(f"model '{self.model_name}' is not ready yet (loading or warming up)")
+            timeout_s = None if deadline is None else deadline - asyncio.get_running_loop().time()
+            try:
+                runner.admit()  # refuse before decoding: overload must cost as little as possible
+                shm_bytes = codec.shared_memory_input_bytes(request)
+                if shm_bytes is not None:  # a tensor-sized copy, bounded in total, made off the event loop
+                    await self.shm_budget.acquire(shm_bytes)
+                    held = shm_bytes
+                    copying = asyncio.ensure_future(
+                        asyncio.to_thread(codec.decode_request, request, spec, self.shm, parsed.raw))
+                    try:
+                        decoded = await asyncio.shield(copying)
+                    except asyncio.CancelledError:  # the copy goes on in its thread: it keeps its bytes till freed
+                        copying.add_done_callback(lambda done, n=held: self._release_when_freed(
+                            None if done.cancelled() or done.exception() else done.result().array, n))
+                        held = 0
+                        raise
+                    copy = decoded.array
+                else:
+                    decoded = codec.decode_request(request, spec, self.shm, parsed.raw)
+                m.input_bytes.inc(decoded.array.nbytes)
+                result = await runner.run(decoded.array, decoded.datatype, timeout_s)
+            except (QueueFull, DeadlineExceeded) as exc:
+                raise runner_error(exc, self.model_name) from None
+            _check_finite(result.output)
+            if deadline is not None and deadline - asyncio.get_running_loop().time() <= DEADLINE_SLACK_S:
+                # Too late for the client, which stops waiting before the server's deadline (see DEADLINE_SLACK_S):
+                # say so rather than send what nobody reads.
+                raise ServingError(Status.DEADLINE_EXCEEDED, "the request's deadline passed while it ran")
+            response = codec.encode_response(request, spec, result.output, decoded, self.shm)
+            elapsed = time.perf_counter_ns() - arrived
+            self.state.stats.record_success(decoded.samples, elapsed, result.queue_ns)
+            m.samples.inc(decoded.samples)
+            return response
+        except ServingError as exc:
+            code = exc.code
+            self.state.stats.record_failure(time.perf_counter_ns() - arrived)
+            raise
+        except asyncio.CancelledError:
+            code = Status.CANCELLED
+            if deadline is not None and deadline - asyncio.get_running_loop().time() <= cancel_slack_s:
+                code = Status.DEADLINE_EXCEEDED
+            self.state.stats.record_failure(time.perf_counter_ns() - arrived)
+            raise
+        except Exception:
+            code = Status.INTERNAL
+            self.state.stats.record_failure(time.perf_counter_ns() - arrived)
+            log.exception("inference failed")
+            raise internal("inference failed inside the server; see its log") from None
+        finally:
+            if held:
+                self._release_when_freed(copy, held)
+                copy = decoded = None  # the frame may outlive the call (a kept traceback): hold no copy
+            self.state.inflight -= 1
+            if admitted:
+                self.state.accepted -= 1
+            m.inflight.dec()
+            self.metrics.count_request(code.name, served)
+            if served:
+                m.request_duration.observe((time.perf_counter_ns() - arrived) / 1e9)
+
+    def _release_when_freed(self, copy: np.ndarray | None, nbytes: int) -> None:
+        """Give ``nbytes`` back to the shared-memory budget once ``copy``'s memory is freed: a request ended early
+        (cancelled, past its deadline) may leave its copy in a thread still copying or computing. Memory that is
+        not the copy's own (a pinned or arena block, pooled and bounded apart) is given back now."""
+        owner = _memory_owner(copy)
+        if owner is None:
+            self.shm_budget.release(nbytes)
+            return
+        loop = asyncio.get_running_loop()
+
+        def freed() -> None:  # on whichever thread drops the last reference
+            with contextlib.suppress(RuntimeError):  # a closed loop: nothing waits for room any more
+                loop.call_soon_threadsafe(self.shm_budget.release, nbytes)
+
+        weakref.finalize(owner, freed)
+
+
+def _memory_owner(array: np.ndarray | None) -> np.ndarray | None:
+    """The array that owns ``array``'s memory, through views and buffers, if it is a numpy array of its own."""
+    while array is not None:
+        base = array.base
+        if base is None:
+            return array if array.flags.owndata else None
+        if isinstance(base, memoryview):
+            base = base.obj
+        if not isinstance(base, np.ndarray):
+            return None
+        array = base
+    return None
+
+
+def _check_finite(output) -> None:
+    """INVALID_ARGUMENT naming the first sample whose output is not finite. A sample's output row depends on that
+    sample alone, so a NaN or infinity in its input (or values so large that the convolution overflows float32)
+    shows up as a non-finite row: checking the (N, Cout) output costs nothing next to scanning the input."""
+    finite = np.isfinite(output)
+    if not finite.all():
+        rows = np.flatnonzero(~finite.all(axis=1))
+        raise invalid(f"input '{codec.INPUT_NAME}' sample {int(rows[0])} (of {output.shape[0]}; {rows.size} such) "
+                      f"gives a non-finite output: it holds NaN or infinite values, or values so large that the "
+                      f"convolution overflows float32")

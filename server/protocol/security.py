@@ -1,0 +1,147 @@
+"""Transport security and authentication: TLS / mutual TLS server credentials and a bearer-token interceptor.
+
+- TLS (``--tls-cert``/``--tls-key``) encrypts the gRPC port; with ``--tls-client-ca`` every client must
+  present a certificate signed by that CA. gRPC checks client certificates during the TLS handshake, so a
+  client without one never gets an RPC through (it sees the connection fail, typically UNAVAILABLE).
+- ``--auth-token-file`` holds one or more accepted bearer tokens (one per line, so a token can be rotated
+  by listing old and new for a while). Every RPC must carry ``authorization: Bearer <token>``; the check
+  is constant-time and runs in an interceptor before any handler or request parsing. Anything else is
+  answered UNAUTHENTICATED and nothing more. ``--open-health`` exempts the liveness/readiness RPCs
+  (grpc.health.v1 and the protocol's ServerLive/ServerReady/ModelReady): they reveal nothing but
+  up/down, and orchestrator probes cannot send tokens.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import logging
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+
+import grpc
+
+from ..core.errors import StartupError
+
+log = logging.getLogger(__name__)
+
+HEALTH_METHODS = frozenset({
+    "/grpc.health.v1.Health/Check",
+    "/grpc.health.v1.Health/Watch",
+    "/inference.GRPCInferenceService/ServerLive",
+    "/inference.GRPCInferenceService/ServerReady",
+    "/inference.GRPCInferenceService/ModelReady",
+})
+_MAX_TOKEN_FILE_BYTES = 64 * 1024
+_MIN_TOKEN_CHARS = 16
+
+
+class SecurityConfigError(StartupError, ValueError):
+    """A TLS or token file is missing, unreadable or unusable; the server must not start."""
+
+
+def _read(path: str, what: str, limit: int | None = None) -> bytes:
+    try:
+        data = Path(path).read_bytes()
+    except OSError as exc:
+        raise SecurityConfigError(f"{what} {path!r} cannot be read: {exc.strerror or exc}") from None
+    if not data.strip():
+        raise SecurityConfigError(f"{what} {path!r} is empty")
+    if limit is not None and len(data) > limit:
+        raise SecurityConfigError(f"{what} {path!r} is {len(data)} bytes; at most {limit} expected")
+    return data
+
+
+def server_credentials(cert_file: str | None, key_file: str | None,
+                       client_ca_file: str | None) -> grpc.ServerCredentials | None:
+    """Credentials for the gRPC port, or None for plaintext. Errors name the flag and the file."""
+    if not cert_file and not key_file:
+        if client_ca_file:
+            raise SecurityConfigError("--tls-client-ca needs --tls-cert and --tls-key (mutual TLS is TLS first)")
+        return None
+    if not (cert_file and key_file):
+        raise SecurityConfigError("--tls-cert and --tls-key go together: give both or neither")
+    cert = _read(cert_file, "--tls-cert")
+    key = _read(key_file, "--tls-key")
+    if b"-----BEGIN" not in cert or b"-----BEGIN" not in key:
+        raise SecurityConfigError("--tls-cert and --tls-key must be PEM files (-----BEGIN ... -----)")
+    ca = _read(client_ca_file, "--tls-client-ca") if client_ca_file else None
+    return grpc.ssl_server_credentials([(key, cert)], root_certificates=ca, require_client_auth=ca is not None)
+
+
+def load_tokens(path: str) -> list[bytes]:
+    """The accepted tokens of a token file: one per non-empty line, surrounding whitespace ignored."""
+    data = _read(path, "--auth-token-file", _MAX_TOKEN_FILE_BYTES)
+    tokens = [line.strip() for line in data.splitlines() if line.strip() and not line.startswith(b"#")]
+    if not tokens:
+        raise SecurityConfigError(f"--auth-token-file {path!r} holds no token")
+    for i, token in enumerate(tokens, 1):
+        if len(token) < _MIN_TOKEN_CHARS:
+            raise SecurityConfigError(f"--auth-token-file {path!r}: token {i} has {len(token)} characters; "
+                                      f"use at least {_MIN_TOKEN_CHARS} (e.g. `openssl rand -hex 32`)")
+        if any(c <= 0x20 or c >= 0x7F for c in token):
+            raise SecurityConfigError(f"--auth-token-file {path!r}: token {i} has characters that cannot travel "
+                                      f"in gRPC metadata (printable ASCII only)")
+    return tokens
+
+
+class TokenAuthInterceptor(grpc.aio.ServerInterceptor):
+    """Admit an RPC only with ``authorization: Bearer <one of the tokens>``; else UNAUTHENTICATED.
+
+    Tokens are compared as SHA-256 digests with ``hmac.compare_digest`` against every accepted token, so
+    the time taken depends on neither the presented token's length nor how much of it matched.
+    """
+
+    def __init__(self, tokens: list[bytes], open_methods: frozenset[str] = frozenset(),
+                 on_reject: Callable[[str], None] | None = None) -> None:
+        self._digests = [hashlib.sha256(t).digest() for t in tokens]
+        self._open = open_methods
+        self._on_reject = on_reject or (lambda method: None)
+
+    def _admits(self, metadata) -> bool:
+        presented = b""
+        for key, value in metadata or ():
+            if key == "authorization":
+                raw = value.encode("latin-1", "replace") if isinstance(value, str) else value
+                scheme, _, token = raw.partition(b" ")
+                if scheme.lower() == b"bearer":
+                    presented = token.strip()
+                break
+        digest = hashlib.sha256(presented).digest()
+        ok = False
+        for accepted in self._digests:
+            ok |= hmac.compare_digest(digest, accepted)
+        return ok and bool(presented)
+
+    async def intercept_service(self, continuation: Callable[[grpc.HandlerCallDetails], Awaitable],
+                                handler_call_details: grpc.HandlerCallDetails):
+        method = handler_call_details.method
+        if method in self._open or self._admits(handler_call_details.invocation_metadata):
+            return await continuation(handler_call_details)
+        self._on_reject(method)
+        return _reject(await continuation(handler_call_details))
+
+
+_DENIED = "missing or invalid credentials: send 'authorization: Bearer <token>' metadata"
+
+
+async def _deny(request_or_iterator, context):
+    await context.abort(grpc.StatusCode.UNAUTHENTICATED, _DENIED)
+
+
+async def _deny_stream(request_or_iterator, context):
+    await context.abort(grpc.StatusCode.UNAUTHENTICATED, _DENIED)
+    yield  # pragma: no cover - makes this an async generator, as streaming handlers are
+
+
+def _reject(handler):
+    """A handler of the same shape as ``handler`` that answers UNAUTHENTICATED without reading the request."""
+    if handler is None:  # unknown method: UNAUTHENTICATED too, so no method list leaks to strangers
+        return grpc.unary_unary_rpc_method_handler(_deny)
+    if handler.unary_unary:
+        return grpc.unary_unary_rpc_method_handler(_deny)
+    if handler.unary_stream:
+        return grpc.unary_stream_rpc_method_handler(_deny_stream)
+    if handler.stream_unary:
+        return grpc.stream_unary_rpc_method_handler(_deny)
+    return grpc.stream_stream_rpc_method_handler(_deny_stream)

@@ -1,0 +1,264 @@
+"""The engine of ``--frontends``: the model and its runner in a process of their own, fed by gRPC front ends.
+
+One Python process terminating gRPC spends most of its interpreter lock on each RPC (gRPC's aio machinery,
+protobuf, asyncio; bench/results/service-h100-80gb-hbm3.md), so small requests reach the batcher no
+faster than one core can take them. With ``--frontends N`` the supervisor (server/topology/supervisor.py) starts N
+front ends that terminate RPCs on the shared port, and one engine per GPU that does nothing but batch and
+execute. A front end decodes a request, places its tensor in its staging arena and sends the engine a
+record (server/topology/ipc.py); the engine batches the requests of every front end together, exactly as the
+in-process server batches its own, and answers each with its output rows. Per request the engine spends
+a record read, a view and a reply, so the batcher sees requests at the rate N processes can terminate them.
+
+Start-up: the engine loads the weights, builds and warms up its models, and only then listens on its
+socket, so a front end that connects finds a ready engine. Shutdown: on SIGTERM the engine keeps serving
+until every front end has drained and hung up (or the grace period plus a margin has passed).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import mmap
+import os
+import signal
+import socket
+
+import numpy as np
+
+from voxserve.datatypes import INPUT_DATATYPES, ITEMSIZE, WIRE_DTYPE
+
+from .. import logs
+from ..core import pipeline
+from ..core.batching import BatchingConfig, BatchResult
+from ..core.errors import ServingError, Status, internal, runner_error
+from ..core.heap import freeze_startup_objects
+from ..core.inprocess import build_models, load_weights
+from ..core.runner import Runner
+from ..core.stats import ModelStats
+from ..metrics import Metrics, latency_buckets
+from ..settings import Settings
+from . import ipc
+
+log = logging.getLogger("voxserve.engine")
+
+# How long after the front ends' grace period the engine waits for them to hang up before it exits anyway.
+DRAIN_MARGIN_S = 5.0
+
+
+class Engine:
+    def __init__(self, settings: Settings, socket_path: str, index: int = 0,
+                 stats_dir: str | None = None) -> None:
+        self.settings = settings
+        self.socket_path = socket_path
+        self.index = index
+        self.metrics = Metrics(settings.model_name, latency_buckets(settings.latency_buckets_s), gpu_metrics=False)
+        self.stats = ModelStats()
+        if stats_dir:
+            self.stats.share(stats_dir, f"engine-{index}")
+        self.runner: Runner | None = None
+        self.hello: dict = {}
+        self._connections: set[asyncio.Task] = set()
+        self._lost: str | None = None
+        self._pinned: list[np.ndarray] = []  # page-locked arenas
+
+    def load(self) -> None:
+        """Weights, models, warm-up (blocking; before anything listens)."""
+        s = self.settings
+        self._models = build_models(s, load_weights(s, self.metrics), self.metrics)
+        model = self._models[0]
+        devices = ",".join(str(m.device) for m in self._models)
+        self.hello = {"engine": self.index, "cin": model.cin, "cout": model.cout, "k": model.k,
+                      "device": devices, "kernel": model.kernel, "pid": os.getpid()}
+        self.metrics.set_build(devices, model.kernel)
+
+    async def serve(self, stop: asyncio.Event) -> int:
+        """Answer front ends until ``stop`` is set and they have hung up; the exit code."""
+        s = self.settings
+        loop = asyncio.get_running_loop()
+        self.runner = Runner(self._models, self.stats, self.metrics, BatchingConfig.from_settings(s),
+                             lambda reason: loop.call_soon_threadsafe(self._device_lost, reason, stop),
+                             enqueue_on_loop=True)
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        listener.bind(self.socket_path)
+        listener.listen(64)
+        listener.setblocking(False)
+        freeze_startup_objects()
+        self.metrics.model_ready.labels(s.model_name).set(1)
+        log.info("engine %d ready on %s with %s: %s", self.index, self.hello["device"], self.hello["kernel"],
+                 self.socket_path)
+        accept = asyncio.create_task(self._accept(listener))
+        publish = asyncio.create_task(self.stats.publish_every()) if self.stats.shared else None
+        await stop.wait()
+        accept.cancel()
+        listener.close()
+        self.metrics.model_ready.labels(s.model_name).set(0)
+        if self._connections:
+            log.info("engine %d: waiting for %d front end(s) to drain", self.index, len(self._connections))
+            await asyncio.wait(self._connections, timeout=s.grace_period_s + DRAIN_MARGIN_S)
+        for task in self._connections:
+            task.cancel()
+        await self.runner.close()
+        if publish is not None:
+            publish.cancel()
+            self.stats.publish()
+        return 0 if self._lost is None else 1
+
+    def _device_lost(self, reason: str, stop: asyncio.Event) -> None:
+        # No request can be served here any more: exit, so the supervisor restarts the whole server.
+        self._lost = reason
+        stop.set()
+
+    async def _accept(self, listener: socket.socket) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            conn, _ = await loop.sock_accept(listener)
+            task = asyncio.create_task(self._connection(conn))
+            self._connections.add(task)
+            task.add_done_callback(self._connections.discard)
+
+    async def _connection(self, conn: socket.socket) -> None:
+        """One front end: its hello (with its arena), then its requests until it hangs up."""
+        try:
+            conn.setblocking(True)
+            conn.settimeout(10.0)
+            hello, fds = await asyncio.to_thread(ipc.read_hello, conn, 1)
+            if len(fds) != 1:
+                raise ConnectionError(f"the front end sent {len(fds)} descriptors with its hello, not its arena")
+            try:
+                size = int(hello["arena_bytes"])
+                if os.fstat(fds[0]).st_size < size:  # a mapping past the file's end would fault on access
+                    raise ValueError(f"the arena is {os.fstat(fds[0]).st_size} bytes, not the {size} announced")
+                arena = mmap.mmap(fds[0], size)
+            finally:
+                os.close(fds[0])
+            conn.settimeout(None)
+            conn.setblocking(False)
+            reader, writer = await asyncio.open_unix_connection(sock=conn)
+        except (OSError, ValueError, KeyError, ConnectionError) as exc:
+            log.error("engine %d: a front end's hello failed: %s", self.index, exc)
+            conn.close()
+            return
+        view = np.frombuffer(arena, np.uint8)
+        pinned = await asyncio.to_thread(self._pin, view)
+        log.info("engine %d: front end %s connected (arena %d MiB%s)", self.index, hello.get("frontend"),
+                 len(arena) >> 20, ", page-locked: the GPU reads requests in place" if pinned else "")
+        writer.write(ipc.hello_bytes(self.hello))
+        pending: dict[int, asyncio.Future] = {}
+        try:
+            await self._requests(reader, writer, view, pending)
+        finally:
+            for future in pending.values():
+                future.cancel()  # the front end is gone: nobody reads these answers
+            writer.close()
+            log.info("engine %d: front end %s disconnected", self.index, hello.get("frontend"))
+
+    def _pin(self, arena: np.ndarray) -> bool:
+        """Page-lock a front end's arena for every GPU (the pipeline then DMAs requests from it without a host
+        copy). It stays registered for the life of the process: a front end connects once."""
+        if not any(m.device.type == "cuda" for m in self._models):
+            return False
+        import torch
+
+        cudart = torch.cuda.cudart()
+        err = cudart.cudaHostRegister(arena.ctypes.data, arena.nbytes, 1)  # 1: cudaHostRegisterPortable
+        if int(err) != 0:
+            log.warning("engine %d: page-locking a front end's arena failed (CUDA error %d): requests are staged "
+                        "through a host copy instead", self.index, int(err))
+            return False
+        self._pinned.append(arena)  # never unmapped while registered
+        pipeline.register_page_locked(arena.ctypes.data, arena.nbytes)
+        return True
+
+    async def _requests(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, arena: np.ndarray,
+                        pending: dict[int, asyncio.Future]) -> None:
+        """Read request records as they come (every whole one in a read at once) until the front end hangs up."""
+        outbox = ipc.Outbox(writer)
+        size = ipc.REQUEST.size
+        buffer = b""
+        while True:
+            try:
+                data = await reader.read(1 << 16)
+            except ConnectionError:
+                return
+            if not data:
+                return
+            buffer = buffer + data if buffer else data
+            whole = len(buffer) - len(buffer) % size
+            for record in ipc.REQUEST.iter_unpack(memoryview(buffer)[:whole]):
+                self._request(record, arena, pending, outbox)
+            buffer = buffer[whole:]
+
+    def _request(self, record: tuple, arena: np.ndarray, pending: dict[int, asyncio.Future],
+                 outbox: ipc.Outbox) -> None:
+        kind, dtype, req_id, offset, nbytes, deadline, *shape = record
+        if kind == ipc.CANCEL:
+            future = pending.get(req_id)
+            if future is not None:
+                future.cancel()
+            return
+        model_name = self.settings.model_name
+        try:
+            datatype = INPUT_DATATYPES[dtype]
+            count = math.prod(shape)
+            if kind != ipc.INFER or count * ITEMSIZE[datatype] != nbytes or offset + nbytes > len(arena):
+                raise ServingError(Status.INTERNAL, f"malformed request record {kind, shape, nbytes}")
+            array = arena[offset : offset + nbytes].view(WIRE_DTYPE[datatype]).reshape(shape)
+            future = self.runner.enqueue(array, datatype, ipc.timeout_of(deadline))
+        except Exception as exc:
+            outbox.put(_error_reply(req_id, exc, model_name))
+            return
+        pending[req_id] = future
+        future.add_done_callback(_Reply(outbox, pending, req_id, model_name))
+
+
+class _Reply:
+    """The done-callback of one request's future: its reply record."""
+
+    __slots__ = ("model_name", "outbox", "pending", "req_id")
+
+    def __init__(self, outbox: ipc.Outbox, pending: dict, req_id: int, model_name: str) -> None:
+        self.outbox, self.pending, self.req_id, self.model_name = outbox, pending, req_id, model_name
+
+    def __call__(self, future: asyncio.Future) -> None:
+        self.pending.pop(self.req_id, None)
+        if future.cancelled():
+            self.outbox.put(_error_reply(self.req_id, ServingError(Status.CANCELLED, "cancelled"),
+                                         self.model_name))
+            return
+        exc = future.exception()
+        if exc is not None:
+            self.outbox.put(_error_reply(self.req_id, exc, self.model_name))
+            return
+        result: BatchResult = future.result()
+        out = np.ascontiguousarray(result.output, dtype=np.float32).tobytes()  # N x Cout: sent with the header
+        self.outbox.put(ipc.REPLY.pack(ipc.OK, 0, len(out), self.req_id, result.queue_ns, result.batch_samples) + out)
+
+
+def _error_reply(req_id: int, exc: BaseException, model_name: str) -> bytes:
+    error = runner_error(exc, model_name)
+    if error is None:
+        log.error("request failed in the engine: %s: %s", type(exc).__name__, exc)
+        error = internal("inference failed inside the server; see its log")
+    message = error.message.encode()
+    return ipc.REPLY.pack(ipc.ERROR, error.code.value, len(message), req_id, 0, 0) + message
+
+
+def run_engine(settings: Settings, socket_path: str, index: int, stats_dir: str | None) -> int:
+    """The engine process's main: load, serve until SIGTERM/SIGINT and the front ends' drain."""
+    logs.configure(settings.log_level)
+    engine = Engine(settings, socket_path, index, stats_dir)
+    try:
+        engine.load()
+    except Exception as exc:
+        log.error("engine %d: start-up failed: %s", index, exc)
+        return 1
+
+    async def main() -> int:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        return await engine.serve(stop)
+
+    return asyncio.run(main())

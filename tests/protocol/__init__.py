@@ -1,0 +1,1 @@
+"""Tests of the protocol room (server/protocol/): decoding, validation, limits, shared memory, security."""

@@ -1,0 +1,1 @@
+"""Tests of the topology room (server/topology/): --replicas, --frontends, ports."""

@@ -1,0 +1,488 @@
+"""--frontends: gRPC front-end processes in front of an engine process (server/topology/: ipc, engine, remote)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import gc
+import os
+import re
+import signal
+import uuid
+
+import grpc
+import numpy as np
+import pytest
+import torch
+
+from voxserve.client import Client, InferenceError, SharedMemoryBuffer
+from voxserve.datatypes import to_wire
+from voxserve.kernels import reference_float64, reference_weights
+from voxserve.server.core.batching import BatchingConfig
+from voxserve.server.core.errors import ServingError, Status
+from voxserve.server.core.model import relative_error
+from voxserve.server.settings import Settings, add_arguments, from_namespace, validate
+from voxserve.server.topology.engine import Engine
+from voxserve.server.topology.ipc import Arena
+from voxserve.server.topology.remote import RemoteRunner
+from voxserve.server.topology.supervisor import cgroup_cpu_quota, resolve_frontends, usable_cpus
+from voxserve.testing.load import proc_stat
+
+from ..conftest import serve_process
+from ..e2e.test_lifecycle import _metric, _wait_for
+
+W, B = reference_weights()
+MiB = 1 << 20
+
+
+def _ref(x: np.ndarray) -> torch.Tensor:
+    return reference_float64(torch.from_numpy(np.asarray(x, dtype=np.float32)), W, B)
+
+
+# --- the arena -----------------------------------------------------------------------------------------
+
+
+def test_outbox_sends_one_iterations_records_in_one_write_and_replies_parse_across_reads():
+    from voxserve.server.topology import ipc
+
+    class Writer:
+        def __init__(self):
+            self.writes, self.closing = [], False
+
+        def write(self, data):
+            self.writes.append(data)
+
+        def is_closing(self):
+            return self.closing
+
+    records = [ipc.REPLY.pack(ipc.OK, 0, 8 * i, i, 5, 9) + bytes(range(8 * i)) for i in range(4)]
+
+    async def main():
+        writer = Writer()
+        outbox = ipc.Outbox(writer)
+        for r in records:
+            outbox.put(r)
+        assert writer.writes == []  # not before the iteration is over
+        await asyncio.sleep(0)
+        assert writer.writes == [b"".join(records)]
+        outbox.put(records[0])
+        writer.closing = True
+        await asyncio.sleep(0)
+        assert len(writer.writes) == 1  # nothing is written into a closing connection
+        return writer.writes[0]
+
+    stream = asyncio.run(main())
+    buffer, got = bytearray(), []
+    for cut in range(0, len(stream), 7):  # arriving in arbitrary pieces
+        buffer += stream[cut : cut + 7]
+        replies, used = ipc.replies(buffer)
+        del buffer[:used]
+        got += replies
+    assert not buffer
+    assert [(h[3], p) for h, p in got] == [(i, bytes(range(8 * i))) for i in range(4)]
+    assert all(h[:2] == (ipc.OK, 0) and h[4:] == (5, 9) for h, _ in got)
+
+
+def test_registered_page_locked_ranges_are_found_by_address(monkeypatch):
+    from voxserve.server.core import pipeline
+
+    monkeypatch.setattr(pipeline, "_LOCKED", ())  # this process's registry is left as it was
+    base = 1 << 40  # no real memory is touched: the registry only compares addresses
+    pipeline.register_page_locked(base, 4096)
+    pipeline.register_page_locked(base + 8192, 4096)
+    assert pipeline._registered(base, 4096) and pipeline._registered(base + 100, 10)
+    assert pipeline._registered(base + 8192, 4096)
+    assert not pipeline._registered(base + 4000, 200)  # runs past the first range's end
+    assert not pipeline._registered(base + 4096, 1)  # between the ranges
+    assert not pipeline._registered(base - 1, 2)
+
+
+
+def test_arena_blocks_are_reused_only_after_every_view_is_gone():
+    arena = Arena(MiB)
+    offset, block = arena.try_allocate(1000)
+    assert offset == 0 and len(block) == 1000
+    a = np.frombuffer(block, np.uint8).view(np.float32)  # views derived any way keep the block
+    t = torch.from_numpy(a.reshape(10, 25))
+    del block, a
+    gc.collect()
+    assert arena.in_use >= 1000
+    second, other = arena.try_allocate(1000)
+    assert second >= 1000  # not the first block's bytes: those are still viewed
+    del t
+    gc.collect()
+    assert arena.in_use < 2048  # the first block is back; the second one is still held
+    del other
+    gc.collect()
+    assert arena.in_use == 0
+    arena.close()
+
+
+def test_arena_wraps_refuses_when_full_and_places_views():
+    arena = Arena(MiB)
+    with pytest.raises(ValueError):
+        arena.try_allocate(arena.largest + 1)
+    held = [arena.try_allocate(300 * 1024) for _ in range(3)]
+    assert all(h is not None for h in held)
+    assert arena.try_allocate(300 * 1024) is None  # no room until the oldest is released
+    del held[0]
+    gc.collect()
+    offset, block = arena.try_allocate(300 * 1024)  # does not fit before the end: wraps to the start
+    assert offset == 0
+    x = np.frombuffer(block, np.uint8)
+    assert arena.offset_of(x[256:512]) == 256
+    assert arena.offset_of(np.zeros(8)) is None
+    assert arena.offset_of(x[::2]) is None  # not contiguous: copied like any other array
+    # The registry hook never waits: private memory while the ring is full.
+    fallback = arena.allocate_now(300 * 1024)
+    assert arena.offset_of(np.frombuffer(fallback, np.uint8)) is None
+    del block, x, held
+    gc.collect()
+    assert arena.offset_of(np.frombuffer(arena.allocate_now(4096), np.uint8)) is not None
+    arena.close()
+
+
+def test_arena_allocate_waits_for_room():
+    async def main():
+        arena = Arena(MiB)
+        first = arena.try_allocate(arena.largest)
+        second = arena.try_allocate(arena.largest)
+        waiter = asyncio.create_task(arena.allocate(4096))
+        await asyncio.sleep(0.02)
+        assert not waiter.done()
+        del first
+        gc.collect()
+        offset, _ = await asyncio.wait_for(waiter, 5)
+        assert offset == 0
+        del second
+
+    asyncio.run(main())
+
+
+# --- an engine and a front end's runner in one event loop --------------------------------------------------
+
+
+@contextlib.asynccontextmanager
+async def engine_and_runner(tmp_path, arena_bytes: int = 64 * MiB, runner_queue: int = 512, device: str = "cpu",
+                            **engine_settings):
+    settings = Settings(device=device, **engine_settings)
+    path = str(tmp_path / f"e-{uuid.uuid4().hex[:6]}.sock")
+    engine = Engine(settings, path)
+    await asyncio.to_thread(engine.load)
+    stop = asyncio.Event()
+    serving = asyncio.create_task(engine.serve(stop))
+    lost: list[str] = []
+    runner = await asyncio.wait_for(RemoteRunner.connect(
+        [path], Arena(arena_bytes), "test", BatchingConfig(True, 0.0, runner_queue), lost.append), 30)
+    try:
+        yield engine, runner, stop, lost
+    finally:
+        await runner.close()
+        stop.set()
+        await asyncio.wait_for(serving, 30)
+
+
+def test_engine_serves_a_front_end_exactly_and_batches_its_requests(tmp_path):
+    rng = np.random.default_rng()
+
+    async def main():
+        async with engine_and_runner(tmp_path) as (engine, runner, _stop, _lost):
+            assert runner.devices == ["cpu"] and runner.cout == 16
+            shapes = [(1, 3, 5, 6, 7)] * 12 + [(3, 3, 4, 4, 4), (2, 3, 9, 5, 3)]
+            xs = [rng.standard_normal(s, dtype=np.float32) for s in shapes]
+            results = await asyncio.gather(*(runner.run(x, "FP32") for x in xs))
+            for x, r in zip(xs, results, strict=True):
+                assert r.output.shape == (x.shape[0], 16)
+                assert relative_error(torch.from_numpy(r.output.copy()), _ref(x)) <= 1e-5
+            assert max(r.batch_samples for r in results[:12]) > 1  # concurrent requests merged in the engine
+            for dtype in ("FP16", "BF16"):
+                x = rng.standard_normal((2, 3, 5, 5, 5), dtype=np.float32)
+                wire = np.frombuffer(to_wire(x, dtype), np.float16 if dtype == "FP16" else np.uint16).reshape(x.shape)
+                r = await runner.run(wire, dtype)
+                rounded = (torch.from_numpy(x).half() if dtype == "FP16" else torch.from_numpy(x).bfloat16()).float()
+                assert relative_error(torch.from_numpy(r.output.copy()), _ref(rounded.numpy())) <= 1e-5
+            stats = engine.stats.snapshot()
+            assert stats.execution_count < len(shapes) + 2
+            # Copies in the front end: a wire tensor once into the arena; one already there (a shared-memory
+            # read lands in the arena) none.
+            x = rng.standard_normal((2, 3, 6, 6, 6), dtype=np.float32)
+            copied = runner.copied_bytes
+            await runner.run(x, "FP32")
+            assert runner.copied_bytes - copied == x.nbytes
+            in_arena = np.frombuffer(runner.arena.allocate_now(x.nbytes), np.float32).reshape(x.shape)
+            assert runner.arena.offset_of(in_arena) is not None
+            in_arena[...] = x
+            r = await runner.run(in_arena, "FP32")
+            assert runner.copied_bytes - copied == x.nbytes
+            assert relative_error(torch.from_numpy(r.output.copy()), _ref(x)) <= 1e-5
+            del in_arena
+        assert runner.arena.in_use == 0  # every request's arena space came back after its reply
+
+    asyncio.run(main())
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_gpu_engine_reads_page_locked_arenas_in_place_and_answers_exactly(tmp_path):
+    """On a GPU the engine page-locks the arena, DMAs requests from it and enqueues small executions on its
+    event loop (large host copies would go to its submit thread): every answer within fp32 of float64."""
+    rng = np.random.default_rng()
+
+    async def main():
+        async with engine_and_runner(tmp_path, arena_bytes=128 * MiB, device="cuda") as (engine, runner, _s, _l):
+            assert engine._pinned and engine.runner.enqueue_on_loop
+            pipeline = engine.runner.model.pipeline
+            direct, staged = pipeline.direct_bytes, pipeline.staged_bytes
+            shapes = [(1, 3, 16, 32, 32)] * 24 + [(5, 3, 16, 32, 32), (40, 3, 16, 32, 32), (2, 3, 7, 9, 11)]
+            xs = [rng.standard_normal(s, dtype=np.float32) for s in shapes]
+            for _ in range(2):  # the second round finds graphs captured and slots warm
+                results = await asyncio.gather(*(runner.run(x, "FP32") for x in xs))
+                for x, r in zip(xs, results, strict=True):
+                    assert relative_error(torch.from_numpy(r.output.copy()), _ref(x)) <= 1e-5
+            assert max(r.batch_samples for r in results[:24]) > 1
+            assert pipeline.direct_bytes - direct == 2 * sum(x.nbytes for x in xs)  # no host copy of any
+            assert pipeline.staged_bytes == staged
+
+    asyncio.run(main())
+
+
+def test_requests_larger_than_an_arena_block_travel_in_pieces(tmp_path):
+    rng = np.random.default_rng()
+
+    async def main():
+        async with engine_and_runner(tmp_path, arena_bytes=MiB) as (_engine, runner, _stop, _lost):
+            x = rng.standard_normal((40, 3, 10, 10, 10), dtype=np.float32)  # 480 KB: blocks hold 512 KiB
+            y = rng.standard_normal((100, 3, 10, 10, 10), dtype=np.float32)  # 1.2 MB: more than the whole arena
+            rx, ry = await asyncio.gather(runner.run(x, "FP32"), runner.run(y, "FP32"))
+            assert relative_error(torch.from_numpy(rx.output.copy()), _ref(x)) <= 1e-5
+            assert relative_error(torch.from_numpy(ry.output.copy()), _ref(y)) <= 1e-5
+            huge = np.zeros((1, 3, 64, 64, 64), np.float32)  # one sample of 3 MB: cannot be split
+            with pytest.raises(ServingError) as err:
+                await runner.run(huge, "FP32")
+            assert err.value.code == Status.RESOURCE_EXHAUSTED
+            assert "--frontend-arena-bytes" in err.value.message
+
+    asyncio.run(main())
+
+
+def test_engine_deadlines_overload_and_cancellation(tmp_path):
+    rng = np.random.default_rng()
+    x = rng.standard_normal((1, 3, 8, 8, 8), dtype=np.float32)
+
+    async def main():
+        async with engine_and_runner(tmp_path, max_queue_size=2) as (_engine, runner, _stop, _lost):
+            with pytest.raises(ServingError) as err:
+                await runner.run(x, "FP32", timeout_s=0.0)
+            assert err.value.code == Status.DEADLINE_EXCEEDED
+            # The engine's own queue limit (2) answers UNAVAILABLE, naming it; the others are served.
+            outcomes = await asyncio.gather(*(runner.run(x, "FP32") for _ in range(40)), return_exceptions=True)
+            refused = [o for o in outcomes if isinstance(o, ServingError)]
+            assert refused and all(o.code == Status.UNAVAILABLE and "--max-queue-size 2" in o.message
+                                   for o in refused)
+            assert len(refused) < len(outcomes)
+            del outcomes, refused  # (errors hold their tracebacks)
+            # Cancelled while waiting: the engine is told, and the arena space waits for its answer.
+            tasks = [asyncio.create_task(runner.run(x, "FP32")) for _ in range(2)]
+            await asyncio.sleep(0)
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            assert all(t.cancelled() for t in tasks)
+            await asyncio.wait_for(_until(lambda: runner.outstanding == 0), 10)
+            gc.collect()
+            assert runner.arena.in_use == 0
+            r = await runner.run(x, "FP32")  # still serving
+            assert relative_error(torch.from_numpy(r.output.copy()), _ref(x)) <= 1e-5
+
+    asyncio.run(main())
+
+
+def test_front_end_loses_its_engine(tmp_path):
+    x = np.zeros((1, 3, 4, 4, 4), np.float32)
+
+    async def main():
+        async with engine_and_runner(tmp_path) as (engine, runner, _stop, lost):
+            await runner.run(x, "FP32")
+            # The engine goes away (its process would exit): requests fail UNAVAILABLE, the front end is told.
+            for task in list(engine._connections):
+                task.cancel()
+            await asyncio.wait_for(_until(lambda: runner.device_lost is not None), 10)
+            assert lost and "engine" in lost[0]
+            with pytest.raises(ServingError) as err:
+                await runner.run(x, "FP32")
+            assert err.value.code == Status.UNAVAILABLE and "restarted" in err.value.message
+
+    asyncio.run(main())
+
+
+async def _until(predicate, step: float = 0.01) -> None:
+    while not predicate():
+        await asyncio.sleep(step)
+
+
+def test_frontends_setting_is_checked():
+    validate(Settings(frontends=4))
+    validate(Settings(frontends="auto"))
+    for bad in (Settings(frontends=-1), Settings(frontends=65), Settings(frontends="many"),
+                Settings(frontend_arena_bytes=1000)):
+        with pytest.raises(ValueError, match="--frontend"):
+            validate(bad)
+
+
+def _parse(argv, environ=None):
+    import argparse
+
+    parser = argparse.ArgumentParser(exit_on_error=False)
+    add_arguments(parser, environ or {})
+    return from_namespace(parser.parse_args(argv))
+
+
+def test_frontends_auto_is_read_from_the_flag_and_its_environment_twin():
+    assert _parse(["--frontends", "auto"]).frontends == "auto"
+    assert _parse(["--frontends", "AUTO"]).frontends == "auto"
+    assert _parse(["--frontends", "3"]).frontends == 3
+    assert _parse([], {"VOXSERVE_FRONTENDS": "auto"}).frontends == "auto"
+    with pytest.raises(Exception, match="frontends"):
+        _parse(["--frontends", "lots"])
+
+
+def test_frontends_auto_sizes_to_the_cores_on_a_gpu_and_stays_in_process_on_the_cpu():
+    auto = Settings(frontends="auto")
+    assert resolve_frontends(auto, gpu_count=1, cpus=16) == 12
+    assert resolve_frontends(auto, gpu_count=2, cpus=32, engines=2) == 24
+    assert resolve_frontends(auto, gpu_count=2, cpus=32) == 16  # one engine process driving both GPUs
+    assert resolve_frontends(auto, gpu_count=1, cpus=1) == 1  # never none with a GPU
+    assert resolve_frontends(auto, gpu_count=1, cpus=2.5) == 1  # a fractional container quota
+    assert resolve_frontends(auto, gpu_count=1, cpus=64) == 16  # at most 16 per engine (one GPU replica)
+    assert resolve_frontends(auto, gpu_count=2, cpus=64, engines=2) == 32
+    assert resolve_frontends(auto, gpu_count=8, cpus=224, engines=8) == 64  # the flag's own bound
+    assert resolve_frontends(auto, gpu_count=0, cpus=16) == 0  # the model needs the CPU itself
+    assert resolve_frontends(Settings(frontends="auto", device="cpu"), gpu_count=1, cpus=16) == 0
+    assert resolve_frontends(Settings(frontends=5), gpu_count=0, cpus=2) == 5  # a number is kept as given
+
+
+def test_usable_cpus_follow_the_cgroup_quota(tmp_path):
+    affinity = len(os.sched_getaffinity(0))
+    here = tmp_path / "self"
+    here.write_text("0::/\n")
+    v2 = tmp_path / "v2"
+    v2.mkdir()
+    (v2 / "cpu.max").write_text("150000 100000\n")
+    assert cgroup_cpu_quota(str(v2), str(here)) == 1.5
+    assert usable_cpus(str(v2), str(here)) == min(1.5, affinity)
+    (v2 / "cpu.max").write_text("max 100000\n")
+    assert cgroup_cpu_quota(str(v2), str(here)) is None
+    assert usable_cpus(str(v2), str(here)) == affinity
+    # This process's own cgroup and its ancestors: the tightest quota among them.
+    (v2 / "pods" / "pod1").mkdir(parents=True)
+    (v2 / "pods" / "cpu.max").write_text("300000 100000\n")
+    (v2 / "pods" / "pod1" / "cpu.max").write_text("max 100000\n")
+    here.write_text("0::/pods/pod1\n")
+    assert cgroup_cpu_quota(str(v2), str(here)) == 3.0
+    (v2 / "pods" / "pod1" / "cpu.max").write_text("250000 100000\n")
+    assert cgroup_cpu_quota(str(v2), str(here)) == 2.5
+    v1 = tmp_path / "v1" / "cpu"
+    v1.mkdir(parents=True)
+    (v1 / "cpu.cfs_quota_us").write_text("400000\n")
+    (v1 / "cpu.cfs_period_us").write_text("100000\n")
+    here.write_text("12:cpu,cpuacct:/\n")
+    assert cgroup_cpu_quota(str(tmp_path / "v1"), str(here)) == 4.0
+    (v1 / "cpu.cfs_quota_us").write_text("-1\n")
+    assert cgroup_cpu_quota(str(tmp_path / "v1"), str(here)) is None
+    assert cgroup_cpu_quota(str(tmp_path / "none"), str(tmp_path / "missing")) is None
+
+
+# --- the whole server: two front ends and an engine ------------------------------------------------------
+
+
+def test_two_front_ends_and_an_engine_behind_one_port(tmp_path):
+    rng = np.random.default_rng()
+    with serve_process(tmp_path / "server.log", "--device", "cpu", "--frontends", "2", "--frontend-arena-bytes",
+                       str(MiB), "--grace-period-s", "20") as srv:
+        proc, url, metrics_port = srv.proc, srv.url, srv.metrics_port
+        # voxserve_model_ready is the minimum over the engine and both front ends.
+        _wait_for(lambda: _metric(metrics_port, "voxserve_model_ready") == 1.0, 240, "engine and front ends ready")
+        clients = [Client(url, timeout_s=60) for _ in range(12)]  # 12 connections: the kernel spreads them
+        x = rng.standard_normal((2, 3, 5, 6, 7), dtype=np.float32)
+        for c in clients:
+            assert relative_error(torch.from_numpy(c.infer(x)), _ref(x)) <= 1e-5
+        big = rng.standard_normal((30, 3, 10, 12, 10), dtype=np.float32)  # 1.4 MB: in pieces through 1 MiB arenas
+        assert relative_error(torch.from_numpy(clients[0].infer(big)), _ref(big)) <= 1e-5
+        # Bad input is the front end's to refuse.
+        with pytest.raises(InferenceError) as err:
+            clients[1].infer(rng.standard_normal((1, 4, 5, 5, 5), dtype=np.float32))
+        assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT
+        # Shared memory: the input is read straight into a front end's arena, the output written back.
+        with SharedMemoryBuffer(f"vox_fe_{uuid.uuid4().hex[:8]}", x.nbytes) as seg:
+            seg.write(x.view(np.uint8).reshape(-1))
+            clients[0].register_system_shared_memory("fe_in", seg.key, x.nbytes)
+            for c in clients:
+                y = c.infer_shared_memory(x.shape, "fe_in")
+                assert relative_error(torch.from_numpy(y), _ref(x)) <= 1e-5
+            clients[3].unregister_system_shared_memory("fe_in")
+        expected = 2 * 2 * len(clients) + len(big)
+        def published() -> bool:  # executions are counted by the engine, requests by the front ends
+            stats = clients[2].model_statistics()
+            return stats.inference_count == expected and 0 < stats.execution_count <= expected
+
+        _wait_for(published, 10, "every process's statistics")
+        assert _metric(metrics_port, "voxserve_samples_total") == expected
+        for c in clients:
+            c.close()
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0
+    text = srv.log
+    assert text.count("(front end of 1 engine(s))") == 2 and "engine 0 ready on cpu" in text
+    admitted = [int(n) for n in re.findall(r"stopped: (\d+) requests admitted", text)]
+    assert len(admitted) == 2 and min(admitted) > 0, admitted  # both front ends served (12 connections)
+    assert not os.path.exists(str(tmp_path / "engine-0.sock"))
+
+
+def test_children_stop_when_the_supervisor_is_killed(tmp_path):
+    """SIGKILL leaves the supervisor no chance to pass anything on: the children must notice by themselves."""
+    with serve_process(tmp_path / "server.log", "--device", "cpu", "--frontends", "1") as srv:
+        proc = srv.proc
+        _wait_for(lambda: _metric(srv.metrics_port, "voxserve_model_ready") == 1.0, 240, "engine and front end ready")
+        pids = [int(p) for p in re.findall(r"\(pid (\d+)\)", (tmp_path / "server.log").read_text())]
+        assert len(pids) == 2
+        proc.kill()
+        proc.wait()
+
+        def gone(pid: int) -> bool:
+            try:
+                return proc_stat(f"/proc/{pid}/stat")[1][0] == "Z"  # a zombie has exited
+            except FileNotFoundError:
+                return True
+
+        _wait_for(lambda: all(gone(p) for p in pids), 60, "the engine and the front end to exit")
+
+
+def test_frontends_auto_serves_in_process_when_the_model_runs_on_the_cpu(tmp_path):
+    rng = np.random.default_rng()
+    with serve_process(tmp_path / "server.log", "--device", "cpu", "--frontends", "auto") as srv:
+        with Client(srv.url, timeout_s=60) as c:
+            _wait_for(c.is_ready, 120, "server ready")
+            x = rng.standard_normal((1, 3, 4, 5, 6), dtype=np.float32)
+            assert relative_error(torch.from_numpy(c.infer(x)), _ref(x)) <= 1e-5
+        srv.proc.send_signal(signal.SIGTERM)
+        assert srv.proc.wait(60) == 0
+    assert "--frontends auto: 0 front ends" in srv.log
+    assert "front end 0" not in srv.log and "engine 0" not in srv.log  # no supervisor: one process serves
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_frontends_auto_starts_front_ends_for_a_gpu(tmp_path):
+    """On a GPU host --frontends auto starts the front ends it logs (three quarters of the usable cores, at
+    most 16 for one engine) in front of an engine on the GPU, and they answer within fp32 of float64."""
+    expected = resolve_frontends(Settings(frontends="auto"), engines=1)
+    rng = np.random.default_rng()
+    with serve_process(tmp_path / "server.log", "--frontends", "auto", "--frontend-arena-bytes", str(16 * MiB)) as srv:
+        _wait_for(lambda: _metric(srv.metrics_port, "voxserve_model_ready") == 1.0, 300, "every process ready")
+        clients = [Client(srv.url, timeout_s=60) for _ in range(4)]
+        x = rng.standard_normal((2, 3, 16, 32, 32), dtype=np.float32)
+        for c in clients:
+            assert relative_error(torch.from_numpy(c.infer(x)), _ref(x)) <= 1e-5
+            c.close()
+        srv.proc.send_signal(signal.SIGTERM)
+        assert srv.proc.wait(timeout=90) == 0
+    assert f"--frontends auto: {expected} front ends" in srv.log
+    assert srv.log.count("(front end of 1 engine(s))") == expected and "engine 0 ready on cuda" in srv.log
