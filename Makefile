@@ -22,8 +22,13 @@ serve: $(BIN)/.installed
 test: $(BIN)/.installed lint
 	$(BIN)/pytest -q $(PYTEST_ARGS)
 
+## lint: ruff, then mypy on the installed package's modules (laid out as voxserve.* under build/, as installed)
 lint: $(BIN)/.installed
 	$(BIN)/ruff check .
+	rm -rf build/typecheck && mkdir -p build/typecheck/voxserve
+	ln -s $(CURDIR)/voxserve/*.py $(CURDIR)/voxserve/testing build/typecheck/voxserve/
+	for d in proto server kernels client; do ln -s $(CURDIR)/$$d build/typecheck/voxserve/$$d; done
+	cd build/typecheck && $(abspath $(BIN))/mypy --config-file $(CURDIR)/pyproject.toml --cache-dir $(CURDIR)/build/mypy-cache -p voxserve
 
 ## proto: regenerate the protocol modules after editing proto/*.proto
 proto: $(BIN)/.installed

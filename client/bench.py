@@ -196,7 +196,7 @@ async def run_level(url: str, payload: bytes, samples: int, tensor_bytes: int, c
                     return False
                 issued += 1
                 return True
-            return time.perf_counter() < stop_at
+            return stop_at is not None and time.perf_counter() < stop_at
 
         async def worker(call) -> None:
             while more():

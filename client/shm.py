@@ -20,13 +20,20 @@ class SharedMemoryBuffer:
         self.key = "/" + self._shm.name
         self.size = size
 
+    @property
+    def _buf(self) -> memoryview:
+        buf = self._shm.buf
+        if buf is None:
+            raise ValueError(f"shared-memory segment {self.key} is closed")
+        return buf
+
     def write(self, array: np.ndarray, offset: int = 0) -> None:
         data = np.ascontiguousarray(array)
-        self._shm.buf[offset : offset + data.nbytes] = data.view(np.uint8).reshape(-1)
+        self._buf[offset : offset + data.nbytes] = data.view(np.uint8).reshape(-1).data
 
     def read(self, dtype, shape: tuple[int, ...], offset: int = 0) -> np.ndarray:
         count = int(np.prod(shape))
-        return np.frombuffer(self._shm.buf, dtype=dtype, count=count, offset=offset).reshape(shape).copy()
+        return np.frombuffer(self._buf, dtype=dtype, count=count, offset=offset).reshape(shape).copy()
 
     def close(self) -> None:
         self._shm.close()

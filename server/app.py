@@ -8,6 +8,7 @@ import dataclasses
 import logging
 import os
 import signal
+from typing import TYPE_CHECKING
 
 from . import logs
 from .core.errors import StartupError
@@ -24,6 +25,9 @@ from .topology import ports
 from .topology.executors import open_executor, read_weights
 from .topology.roles import ENGINE, FRONTEND, Role
 from .topology.supervisor import die_with_supervisor, resolve_frontends, resolve_replicas, supervise, usable_cpus
+
+if TYPE_CHECKING:
+    from .core.weights import Weights
 
 log = logging.getLogger("voxserve")
 STANDALONE = Role()
@@ -61,7 +65,7 @@ class VoxServer:
         self._ready = asyncio.Event()
         self._load_task: asyncio.Task[None] | None = None
         self.load_error: BaseException | None = None
-        self._weights = None  # core.weights.Weights, read before the ports open; None for a front end
+        self._weights: Weights | None = None  # read before the ports open; None for a front end
         self._lost_task: asyncio.Task[None] | None = None
 
     def _count_refused(self, code: str, method: str) -> None:

@@ -142,10 +142,11 @@ class Metrics:
             gauge.labels(model).set(0)
         # The model's series of the per-request metrics, looked up once: labels() takes a lock and builds a key
         # on every call, several times per request.
-        self.series = ModelSeries(*(metric.labels(model) for metric in (
-            self.request_duration, self.queue_duration, self.compute_duration, self.batch_size, self.samples,
-            self.input_bytes, self.inflight)))
-        self._requests_by_code: dict[str, object] = {}
+        self.series = ModelSeries(
+            self.request_duration.labels(model), self.queue_duration.labels(model),
+            self.compute_duration.labels(model), self.batch_size.labels(model), self.samples.labels(model),
+            self.input_bytes.labels(model), self.inflight.labels(model))
+        self._requests_by_code: dict[str, Counter] = {}
         for reason in ("out_of_memory", "device_error"):  # present from the start, so rates and alerts see 0
             self.execution_failures.labels(model, reason)
         self.http_server: MetricsHTTPServer | None = None
@@ -253,7 +254,7 @@ class _MetricsRequestHandler(WSGIRequestHandler):
         super().setup()
         raw = _DeadlineSocketIO(self.connection, time.monotonic() + self.server.timeout_s)
         self.rfile = io.BufferedReader(raw)
-        self.wfile = raw
+        self.wfile = raw  # type: ignore[assignment]  # a raw, unbuffered writer: what wsgiref needs of it
 
     def log_message(self, format, *args) -> None:
         pass

@@ -18,7 +18,7 @@ ITEMSIZE = {
 }  # fmt: skip
 
 # The numpy dtype that holds each input datatype's wire bytes (BF16 as raw bits).
-WIRE_DTYPE = {"FP32": np.dtype("<f4"), "FP16": np.dtype("<f2"), "BF16": np.dtype("<u2")}
+WIRE_DTYPE: dict[str, np.dtype] = {"FP32": np.dtype("<f4"), "FP16": np.dtype("<f2"), "BF16": np.dtype("<u2")}
 
 # Short names used on command lines.
 CLI_DTYPES = {"fp32": "FP32", "fp16": "FP16", "bf16": "BF16"}

@@ -255,7 +255,7 @@ class DynamicBatcher:
                 await self._grow(key)
             if key is not None and self.enabled and self.max_delay_s > 0:
                 await self._gather(key)
-            if key not in self._groups:
+            if key is None or key not in self._groups:
                 self._slots.release()
                 continue
             items = self._take(key)

@@ -9,6 +9,7 @@ import logging
 import time
 import warnings
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -18,6 +19,9 @@ from voxserve.kernels import cuda as cuda_kernels
 from voxserve.kernels.graphs import GraphCache
 
 from .weights import Weights
+
+if TYPE_CHECKING:
+    from .pipeline import CudaPipeline
 
 log = logging.getLogger(__name__)
 
@@ -123,7 +127,7 @@ class Model:
         if device.type == "cuda":
             from .pipeline import CudaPipeline
 
-            self.pipeline = CudaPipeline(self)
+            self.pipeline = CudaPipeline(device, self.cout, self.compute, self.graphs)
 
     @property
     def cin(self) -> int:
@@ -136,6 +140,13 @@ class Model:
     @property
     def k(self) -> int:
         return self.weights.k
+
+    @property
+    def gpu_pipeline(self) -> CudaPipeline:
+        """The CUDA pipeline of a model on a GPU (there is none on the CPU)."""
+        if self.pipeline is None:
+            raise RuntimeError(f"the model on {self.device} has no CUDA pipeline")
+        return self.pipeline
 
     def compute(self, x: torch.Tensor) -> torch.Tensor:
         """The fused op on x (already on this device), on the current stream; graphs for repeated shapes."""
@@ -157,7 +168,9 @@ class Model:
     def run_arrays(self, arrays: list[np.ndarray], datatype: str) -> tuple[np.ndarray, ExecutionTimes]:
         """One execution of wire-typed arrays of equal sample shape (at most max_batch samples together)."""
         if self.pipeline is not None:
-            out, input_ns, infer_ns, output_ns = self.pipeline.wait(self.pipeline.submit(arrays, datatype))
+            pending = self.pipeline.submit(arrays, datatype)
+            assert pending is not None  # it waits for a slot
+            out, input_ns, infer_ns, output_ns = self.pipeline.wait(pending)
             return out, ExecutionTimes(input_ns, infer_ns, output_ns)
         # On the CPU a single request runs on a view of its bytes; a batch costs one concatenation.
         batch = arrays[0] if len(arrays) == 1 else np.concatenate(arrays)
@@ -168,8 +181,8 @@ class Model:
         """One execution of a CPU tensor, each phase timed; (N, Cout) float32 on the CPU."""
         if self.pipeline is not None:
             arr, datatype = tensor_to_wire(x)
-            y, times = self.run_arrays([arr], datatype)
-            return torch.from_numpy(y), times
+            out, times = self.run_arrays([arr], datatype)
+            return torch.from_numpy(out), times
         t0 = time.perf_counter_ns()
         xd = x.to(self.device)
         t1 = time.perf_counter_ns()

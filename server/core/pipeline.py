@@ -33,12 +33,14 @@ import queue
 import threading
 import time
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from voxserve.kernels import cuda as fused_cuda
+from voxserve.kernels.graphs import GraphCache
 from voxserve.kernels.ops import TORCH_DTYPES
 
 # Small batches run as captured CUDA graphs, one per (bucket, sample shape): a batch of N samples is padded
@@ -72,7 +74,7 @@ def _registered(address: int, nbytes: int) -> bool:
 
 def pinned_buffer(nbytes: int) -> memoryview:
     """Page-locked host memory (torch's caching host allocator) as a writable buffer."""
-    return memoryview(torch.empty(nbytes, dtype=torch.uint8, pin_memory=True).numpy())
+    return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True).numpy().data
 
 
 def graph_bucket(samples: int, sample_bytes: int, max_input_bytes: int) -> int:
@@ -125,9 +127,16 @@ class Pending:
 
 
 class CudaPipeline:
-    def __init__(self, model, depth: int = 3) -> None:
-        self.model = model
-        self.device = model.device
+    """``depth`` slots of page-locked staging and device memory through which executions of ``compute`` (the op on
+    (N, Cin, D, H, W) -> (N, cout), on the current stream) go; ``graphs``: captured CUDA graphs of it for small
+    batches, padded to their buckets (None: none)."""
+
+    def __init__(self, device: torch.device, cout: int, compute: Callable[[torch.Tensor], torch.Tensor],
+                 graphs: GraphCache | None = None, depth: int = 3) -> None:
+        self.device = device
+        self.cout = cout
+        self.compute = compute
+        self.graphs = graphs
         self.copy_stream = torch.cuda.Stream(self.device)
         self.compute_stream = torch.cuda.Stream(self.device)
         self._free: queue.Queue[_Slot] = queue.Queue()
@@ -180,11 +189,11 @@ class CudaPipeline:
         direct = self._page_locked_spans(arrays)
         if direct is None and max_host_copy is not None and nbytes > max_host_copy:
             return None
-        graphs = self.model.graphs
+        graphs = self.graphs
         padded = graph_bucket(samples, nbytes // samples, graphs.max_input_bytes) if graphs is not None else samples
         padded_bytes = nbytes // samples * padded
         shape = (padded, *arrays[0].shape[1:])
-        cout = self.model.cout
+        cout = self.cout
         try:
             slot = self._free.get(block=wait_for_slot)
         except queue.Empty:
@@ -221,7 +230,7 @@ class CudaPipeline:
             with torch.cuda.stream(self.compute_stream):
                 self.compute_stream.wait_event(h2d_end)
                 start.record()
-                y = self.model.compute(x)
+                y = self.compute(x)
                 end.record()
                 slot.out[: samples * cout].view(samples, cout).copy_(y[:samples], non_blocking=True)  # 3: N x Cout
                 done.record()

@@ -15,6 +15,7 @@ import asyncio
 import logging
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from typing import cast
 
 import numpy as np
 import torch
@@ -75,7 +76,7 @@ class DeviceWorker:
         if self._watcher is None or self._watcher.loop is not loop:
             if self._watcher is not None and not self._watcher.loop.is_closed():
                 self._watcher.close()
-            self._watcher = CompletionWatcher(self.model.pipeline, loop)
+            self._watcher = CompletionWatcher(self.model.gpu_pipeline, loop)
         return self._watcher
 
     def shutdown(self) -> None:
@@ -86,7 +87,7 @@ class DeviceWorker:
 
 class Runner:
     def __init__(self, models: Model | Sequence[Model], stats: ModelStats, metrics: Metrics, batching: BatchingConfig,
-                 on_device_lost: Callable[[str], None] | None = None, enqueue_on_loop: bool = False) -> None:
+                 on_device_lost: Callable[[str], object] | None = None, enqueue_on_loop: bool = False) -> None:
         models = [models] if isinstance(models, Model) else list(models)
         self.workers = [DeviceWorker(m) for m in models]
         self.enqueue_on_loop = enqueue_on_loop  # see _execute_gpu
@@ -189,7 +190,7 @@ class Runner:
         errors = [r for r in results if isinstance(r, BaseException)]
         if failure is not None or errors:
             raise failure if failure is not None else errors[0]
-        return results
+        return cast(list[np.ndarray], results)
 
     def _run_sync(self, worker: DeviceWorker, arrays: list[np.ndarray], datatype: str) -> np.ndarray:
         """One CPU execution, start to finish, on the worker thread."""
@@ -207,13 +208,13 @@ class Runner:
         if worker.lost is not None:
             raise self.lost_error()
         try:
-            return worker.model.pipeline.submit(arrays, datatype, wait_for_slot, notify=True,
-                                                max_host_copy=max_host_copy)
+            return worker.model.gpu_pipeline.submit(arrays, datatype, wait_for_slot, notify=True,
+                                                    max_host_copy=max_host_copy)
         except Exception as exc:
             raise self._fault(worker, exc, arrays) from None
 
     async def _collect(self, worker: DeviceWorker, pending) -> np.ndarray:
-        pipeline = worker.model.pipeline
+        pipeline = worker.model.gpu_pipeline
         try:
             await worker.watcher().done(pending)
             y, input_ns, infer_ns, output_ns = pipeline.finish(pending)

@@ -120,7 +120,7 @@ def shared_memory_input_bytes(request: pb.ModelInferRequest) -> int | None:
     for tensor in request.inputs:
         if REGION_PARAM in tensor.parameters:
             ref = _shm_ref(tensor.parameters, f"input '{shown(tensor.name)}'")
-            return ref.byte_size or 0
+            return (ref.byte_size or 0) if ref is not None else 0
     return None
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import functools
 import inspect
 import logging
 import time
@@ -129,7 +130,7 @@ class InferenceService:
         loop = asyncio.get_running_loop()
         stream = _Stream(loop.time())
         window = asyncio.Semaphore(STREAM_WINDOW)
-        pending: collections.deque[asyncio.Future] = collections.deque()  # in the order they came
+        pending: collections.deque[asyncio.Task] = collections.deque()  # in the order they came
         arrived = asyncio.Event()
         reading = True
 
@@ -175,7 +176,8 @@ class InferenceService:
             reader.cancel()
             for left in pending:
                 # One that never started is counted here: its own accounting never ran.
-                unstarted = inspect.getcoroutinestate(left.get_coro()) == inspect.CORO_CREATED
+                coro = left.get_coro()
+                unstarted = inspect.iscoroutine(coro) and inspect.getcoroutinestate(coro) == inspect.CORO_CREATED
                 if left.cancel() and unstarted:
                     self.metrics.count_request(Status.CANCELLED.name)
             if reader.done() and not reader.cancelled():
@@ -224,6 +226,7 @@ class InferenceService:
         code = Status.OK
         held = 0  # shared-memory bytes taken from the budget
         copy = None  # the private copy they are for
+        decoded: codec.InferInput | None = None
         try:
             if isinstance(parsed, MalformedRequest):
                 raise parsed.error()
@@ -257,8 +260,7 @@ class InferenceService:
                     try:
                         decoded = await asyncio.shield(copying)
                     except asyncio.CancelledError:  # the copy goes on in its thread: it keeps its bytes till freed
-                        copying.add_done_callback(lambda done, n=held: self._release_when_freed(
-                            None if done.cancelled() or done.exception() else done.result().array, n))
+                        copying.add_done_callback(functools.partial(self._release_when_copied, held))
                         held = 0
                         raise
                     copy = decoded.array
@@ -267,7 +269,7 @@ class InferenceService:
                 m.input_bytes.inc(decoded.array.nbytes)
                 result = await runner.run(decoded.array, decoded.datatype, timeout_s)
             except (QueueFull, DeadlineExceeded) as exc:
-                raise runner_error(exc, self.model_name) from None
+                raise (runner_error(exc, self.model_name) or exc) from None
             _check_finite(result.output)
             if deadline is not None and deadline - asyncio.get_running_loop().time() <= DEADLINE_SLACK_S:
                 # Too late for the client, which stops waiting before the server's deadline (see DEADLINE_SLACK_S):
@@ -304,6 +306,12 @@ class InferenceService:
             self.metrics.count_request(code.name, served)
             if served:
                 m.request_duration.observe((time.perf_counter_ns() - arrived) / 1e9)
+
+    def _release_when_copied(self, nbytes: int, copying: asyncio.Future) -> None:
+        """``copying`` (a cancelled request's copy, made on in its thread) has ended: its room goes back once
+        its copy is freed."""
+        failed = copying.cancelled() or copying.exception() is not None
+        self._release_when_freed(None if failed else copying.result().array, nbytes)
 
     def _release_when_freed(self, copy: np.ndarray | None, nbytes: int) -> None:
         """Give ``nbytes`` back to the shared-memory budget once ``copy``'s memory is freed: a request ended early

@@ -79,7 +79,7 @@ class SharedMemoryRegistry:
         # Where read() puts an input: numpy memory by default (whose release the budget of copies in flight sees,
         # server/protocol/inference.py); a GPU server installs a pinned-memory allocator
         # so that the one copy out of the client's segment is also the one the GPU copies from.
-        self.allocate: Callable[[int], memoryview] = lambda n: memoryview(np.empty(n, np.uint8))
+        self.allocate: Callable[[int], memoryview] = lambda n: np.empty(n, np.uint8).data
 
     def register(self, name: str, key: str, offset: int, byte_size: int) -> None:
         """Register ``byte_size`` bytes at ``offset`` of segment ``key`` as region ``name``, bound to the file

@@ -204,6 +204,7 @@ class Engine:
             if kind != ipc.INFER or count * ITEMSIZE[datatype] != nbytes or offset + nbytes > len(arena):
                 raise ServingError(Status.INTERNAL, f"malformed request record {kind, shape, nbytes}")
             array = arena[offset : offset + nbytes].view(WIRE_DTYPE[datatype]).reshape(shape)
+            assert self.runner is not None  # serving: the runner exists
             future = self.runner.enqueue(array, datatype, ipc.timeout_of(deadline))
         except Exception as exc:
             outbox.put(_error_reply(req_id, exc, model_name))

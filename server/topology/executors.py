@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from ..core.batching import BatchingConfig
 from ..core.executor import Opened
@@ -16,8 +17,11 @@ from .ipc import Arena
 from .remote import RemoteRunner
 from .roles import FRONTEND, Role
 
+if TYPE_CHECKING:
+    from ..core.weights import Weights
 
-def read_weights(settings: Settings, role: Role, metrics: Metrics):
+
+def read_weights(settings: Settings, role: Role, metrics: Metrics) -> Weights | None:
     """The weights this process serves (core.weights.Weights), None for a front end (its engines read them).
     Raises WeightsError for a file that cannot serve the model."""
     if role.kind == FRONTEND:
@@ -27,7 +31,7 @@ def read_weights(settings: Settings, role: Role, metrics: Metrics):
     return load_weights(settings, metrics)
 
 
-async def open_executor(settings: Settings, role: Role, weights, stats: ModelStats, metrics: Metrics,
+async def open_executor(settings: Settings, role: Role, weights: Weights | None, stats: ModelStats, metrics: Metrics,
                         lost: Callable[[str], None]) -> Opened:
     """Build the models (warmed up) or connect to the engines; ``lost(reason)`` is called, on any thread, when a
     device fails beyond repair."""
@@ -42,6 +46,7 @@ async def open_executor(settings: Settings, role: Role, weights, stats: ModelSta
     from ..core.inprocess import build_models
     from ..core.runner import Runner
 
+    assert weights is not None  # read by read_weights for every role but a front end
     models = await asyncio.to_thread(build_models, settings, weights, metrics)
     model = models[0]
     allocate = None

@@ -43,7 +43,7 @@ class EngineLink:
         self.outbox = ipc.Outbox(self.writer)
 
 
-async def connect_engine(path: str, arena: ipc.Arena, frontend: int, retry_s: float = 0.2) -> EngineLink:
+async def connect_engine(path: str, arena: ipc.Arena, frontend: str, retry_s: float = 0.2) -> EngineLink:
     """Connect to the engine listening on ``path`` (waiting until it listens: it warms up first), hand it
     the arena and read its hello."""
     while True:
@@ -69,7 +69,7 @@ async def connect_engine(path: str, arena: ipc.Arena, frontend: int, retry_s: fl
 
 class RemoteRunner:
     def __init__(self, links: Sequence[EngineLink], arena: ipc.Arena, batching: BatchingConfig,
-                 on_device_lost: Callable[[str], None] | None = None) -> None:
+                 on_device_lost: Callable[[str], object] | None = None) -> None:
         self.links = list(links)
         self.arena = arena
         self.batching = batching
@@ -82,8 +82,8 @@ class RemoteRunner:
             link.task = asyncio.create_task(self._read(link))
 
     @classmethod
-    async def connect(cls, paths: Sequence[str], arena: ipc.Arena, frontend: int, batching: BatchingConfig,
-                      on_device_lost: Callable[[str], None] | None = None) -> RemoteRunner:
+    async def connect(cls, paths: Sequence[str], arena: ipc.Arena, frontend: str, batching: BatchingConfig,
+                      on_device_lost: Callable[[str], object] | None = None) -> RemoteRunner:
         links = await asyncio.gather(*(connect_engine(p, arena, frontend) for p in paths))
         return cls(links, arena, batching, on_device_lost)
 
@@ -149,7 +149,7 @@ class RemoteRunner:
                 link.outbox.put(ipc.REQUEST.pack(ipc.CANCEL, 0, req_id, 0, 0, float("nan"), 0, 0, 0, 0, 0))
             raise
         finally:
-            keep = arr = None  # an error's traceback keeps this frame: only the pending entry may hold the bytes
+            del keep, arr  # an error's traceback keeps this frame: only the pending entry may hold the bytes
 
     async def _read(self, link: EngineLink) -> None:
         reader = link.reader

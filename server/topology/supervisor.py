@@ -180,8 +180,8 @@ def cgroup_cpu_quota(root: str = "/sys/fs/cgroup", self_cgroup: str = "/proc/sel
     if quotas:
         return min(quotas)
     try:
-        quota, period = (int((base / "cpu" / f"cpu.cfs_{name}_us").read_text()) for name in ("quota", "period"))
-        return quota / period if quota > 0 and period > 0 else None
+        v1_quota, v1_period = (int((base / "cpu" / f"cpu.cfs_{name}_us").read_text()) for name in ("quota", "period"))
+        return v1_quota / v1_period if v1_quota > 0 and v1_period > 0 else None
     except (OSError, ValueError):
         return None
 
@@ -198,6 +198,7 @@ def _gpu_count() -> int:
 def supervise(settings: Settings, command: Sequence[str] | None = None) -> int:
     """Run ``settings.replicas`` replicas until SIGTERM/SIGINT (passed on) or until one exits on its own."""
     logs.configure(settings.log_level)
+    frontends = int(settings.frontends)  # resolved by the caller (never "auto" here)
     command = list(command) if command is not None else [sys.executable, "-m", "voxserve", "serve"]
     try:
         # Before anything binds: the reserved socket below sets SO_REUSEPORT and would join a port that
@@ -219,7 +220,7 @@ def supervise(settings: Settings, command: Sequence[str] | None = None) -> int:
         assignments = replica_devices(settings, settings.replicas, _gpu_count())
         if settings.metrics_port >= 0:  # bound before any child starts, so a failure here leaves none behind
             metrics_server, bound = _serve_metrics(settings.host, settings.metrics_port, run_dir)
-            log.info("metrics of %d processes on %s:%d", len(assignments) + settings.frontends, settings.host,
+            log.info("metrics of %d processes on %s:%d", len(assignments) + frontends, settings.host,
                      bound)
         sockets = [os.path.join(run_dir, f"engine-{i}.sock") for i in range(len(assignments))]
         for i, (device, devices) in enumerate(assignments):
@@ -228,7 +229,7 @@ def supervise(settings: Settings, command: Sequence[str] | None = None) -> int:
             children.append(subprocess.Popen(command, env=child_environment(settings, role, device, devices, port)))
             log.info("%s %d (pid %d) on %s%s", "engine" if settings.frontends else "replica", i, children[-1].pid,
                      devices or device, "" if settings.frontends else f", gRPC port {port}")
-        for j in range(settings.frontends):
+        for j in range(frontends):
             env = child_environment(settings, Role(FRONTEND, run_dir, f"frontend-{j}", tuple(sockets)), "cpu", "", port)
             env["CUDA_VISIBLE_DEVICES"] = ""  # a front end never touches a GPU: it terminates RPCs, talks to engines
             children.append(subprocess.Popen(command, env=env))
