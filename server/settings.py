@@ -183,8 +183,6 @@ class Settings:
         check=(lambda v: MiB <= v <= 2**40, "must be between 1 MiB and 1 TiB"))
 
 
-
-
 def env_name(field_name: str) -> str:
     return "VOXSERVE_" + field_name.upper()
 

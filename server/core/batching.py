@@ -258,21 +258,27 @@ class DynamicBatcher:
             if key is None or key not in self._groups:
                 self._slots.release()
                 continue
-            items = self._take(key)
-            now = loop.time()
-            runnable = []
-            for item in items:
-                if item.deadline is not None and now >= item.deadline:
-                    item.future.set_exception(DeadlineExceeded("the request's deadline passed while it was queued"))
-                else:
-                    runnable.append(item)
-            if not runnable:
-                self._slots.release()
-                continue
-            self._executing += 1
-            task = loop.create_task(self._run(key[1], runnable))
-            self._running.add(task)
-            task.add_done_callback(self._running.discard)
+            self._start_batch(loop, key)
+
+    def _start_batch(self, loop: asyncio.AbstractEventLoop, key: tuple) -> None:
+        """Take ``key``'s group and start executing it (holding one slot); those past their deadline are answered
+        DeadlineExceeded. A method of its own so that, between batches, no local of the loop keeps the last
+        batch's requests (and their arrays: a shared-memory copy is counted until freed) alive."""
+        items = self._take(key)
+        now = loop.time()
+        runnable = []
+        for item in items:
+            if item.deadline is not None and now >= item.deadline:
+                item.future.set_exception(DeadlineExceeded("the request's deadline passed while it was queued"))
+            else:
+                runnable.append(item)
+        if not runnable:
+            self._slots.release()
+            return
+        self._executing += 1
+        task = loop.create_task(self._run(key[1], runnable))
+        self._running.add(task)
+        task.add_done_callback(self._running.discard)
 
     def _start_chunk(self, loop: asyncio.AbstractEventLoop) -> None:
         """Start the next chunk of the large lane's head (holding one slot), dropping the heads that are done:

@@ -7,7 +7,7 @@ Two implementations: ``core.runner.Runner`` (the model in this process, one work
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -24,7 +24,7 @@ class Executor(Protocol):
     def admit(self) -> None:
         """Refuse (QueueFull) before the request is decoded when there is no room for it."""
 
-    async def run(self, array: np.ndarray, datatype: str, timeout_s: float | None) -> BatchResult:
+    def run(self, array: np.ndarray, datatype: str, timeout_s: float | None) -> Awaitable[BatchResult]:
         """(N, Cin, D, H, W) of a wire datatype -> (N, Cout) float32, batched with others; raises ServingError,
         QueueFull or DeadlineExceeded."""
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import cast
 
@@ -121,9 +121,10 @@ class Runner:
         """QueueFull when no further request may queue (checked before a request is decoded)."""
         self.batcher.admit()
 
-    async def run(self, arr: np.ndarray, datatype: str, timeout_s: float | None = None) -> BatchResult:
-        """Infer one request's (N, Cin, D, H, W) wire-typed array (raises QueueFull, DeadlineExceeded)."""
-        return await self.enqueue(arr, datatype, timeout_s)
+    def run(self, arr: np.ndarray, datatype: str, timeout_s: float | None = None) -> Awaitable[BatchResult]:
+        """Infer one request's (N, Cin, D, H, W) wire-typed array (raises QueueFull, DeadlineExceeded). The future
+        itself, awaited by the caller: no frame of this method keeps the array (a failure's traceback would)."""
+        return self.enqueue(arr, datatype, timeout_s)
 
     def enqueue(self, arr: np.ndarray, datatype: str, timeout_s: float | None = None) -> asyncio.Future:
         """``run`` as a future (the engine of --frontends answers from its callback, no task per request)."""

@@ -3,6 +3,8 @@ grpc or protobuf.
 
 ``wire`` (request bytes to tensor views), ``codec`` (validation, encoding), ``shm`` (system shared-memory
 registry), ``security`` (TLS, tokens), ``admission`` (the RPC limit and its fair share), ``health``
-(grpc.health.v1), ``service`` (the KServe v2 servicer: inference and control RPCs), ``server`` (the gRPC
-server of one process) and ``status`` (the one map from ``core.errors.Status`` to gRPC's codes).
+(grpc.health.v1), the KServe v2 service in two servicers, ``control`` (health, metadata, configuration,
+statistics, shared-memory registration) and ``inference`` (ModelInfer, ModelStreamInfer), registered by
+``service``; ``server`` (the gRPC server of one process) and ``status`` (the one map from
+``core.errors.Status`` to gRPC's codes).
 """

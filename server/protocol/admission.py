@@ -8,12 +8,13 @@ the token check runs first (an interceptor), and a call holds a slot only while 
 single connection can hold is bounded by HTTP/2 (``grpc.max_concurrent_streams``, set from
 ``--max-streams-per-connection``), what an idle stream can hold by ``--stream-idle-timeout-s``.
 
-When every slot is taken, a newcomer is not refused while some connection holds more slots than the
-newcomer's own and one of them is a stream that has been idle (nothing in progress, no message) for
-PREEMPT_IDLE_S: the longest idle such stream of the connection holding the most is ended with UNAVAILABLE
-(clients retry that code) and the newcomer takes its slot. So idle streams spread over many connections
-cannot lock anyone out for their idle timeout, and a connection keeps what it uses: a call in progress is
-never ended for another, and a newcomer whose connection already holds the most is refused.
+When every slot is taken, a newcomer is not refused while some connection holds at least two slots more
+than the newcomer's own and one of them is a stream that has been idle (nothing in progress, no message in
+or out) for PREEMPT_IDLE_S: the longest idle such stream of the connection holding the most is ended with
+UNAVAILABLE (clients retry that code) and the newcomer takes its slot. So idle streams spread over many
+connections cannot lock anyone out for their idle timeout, and a connection keeps what it uses: a call in
+progress is never ended for another, and a newcomer whose connection holds as many as the others (or one
+fewer: a swap would only invite the same in return) is refused.
 """
 
 from __future__ import annotations
@@ -123,12 +124,12 @@ class RpcLimiter:
         self._active -= 1
 
     def _preempt_for(self, peer: str) -> bool:
-        """End the longest idle stream of the connection holding the most slots, if that is more than ``peer``
-        holds; True if a slot was freed so."""
+        """End the longest idle stream of the connection holding the most slots, if that is at least two more
+        than ``peer`` holds; True if a slot was freed so."""
         mine = len(self._by_peer.get(peer, ()))
         latest = asyncio.get_running_loop().time() - PREEMPT_IDLE_S
         for calls in sorted(self._by_peer.values(), key=len, reverse=True):
-            if len(calls) <= mine:
+            if len(calls) <= mine + 1:  # a swap would only let the other end one of this one's in turn
                 return False
             idle = [(since, call) for call in calls if (since := call.idle_since()) is not None and since <= latest]
             if idle:
@@ -169,7 +170,9 @@ class RpcLimiter:
             except asyncio.CancelledError:
                 if call.preempted is None or call.on_preempt is not None:
                     raise
-                asyncio.current_task().uncancel()
+                uncancel = getattr(asyncio.current_task(), "uncancel", None)  # Python 3.11+ counts cancellations
+                if uncancel is not None:
+                    uncancel()
                 await context.abort(grpc.StatusCode.UNAVAILABLE, call.preempted)
             finally:
                 self._release(call)

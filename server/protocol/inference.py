@@ -37,6 +37,10 @@ STREAM_WINDOW = 64  # requests of one ModelStreamInfer stream in progress at onc
 # DEADLINE_SLACK_S of it would reach a client that has stopped waiting.
 DEADLINE_SLACK_S = 0.005
 DEADLINE_SLACK_SHARE = 0.1
+# A shared-memory copy's room in --max-shm-inflight-bytes is given back when the copy is freed, and at the latest
+# this long after its request ended (what a CPU execution of the copy, left running by a cancelled request,
+# normally takes at most).
+COPY_RELEASE_GRACE_S = 5.0
 
 
 class _Stream:
@@ -69,7 +73,7 @@ class InferenceService:
         self.model_version = model_version
         self.stream_idle_timeout_s = stream_idle_timeout_s
         self._streams: set[_Stream] = set()
-        # The server's private copies of shared-memory inputs, held from the copy until the response.
+        # The server's private copies of shared-memory inputs, held from the copy until the copy is freed.
         self.shm_budget = ByteBudget(max_shm_inflight_bytes, "shared-memory input", "--max-shm-inflight-bytes")
 
     def close_streams(self, reason: str) -> None:
@@ -166,6 +170,8 @@ class InferenceService:
                 finally:
                     pending.popleft().cancel()  # a no-op once answered; the work of a dropped stream stops
                     window.release()
+                    if admitted is not None:  # an answer is activity: the client's next message may follow
+                        admitted.touch()
             if stream.close_reason is not None:
                 await self._abort(context, Status.UNAVAILABLE, stream.close_reason)
             await reader  # the stream's own failure, if reading it failed
@@ -315,19 +321,29 @@ class InferenceService:
 
     def _release_when_freed(self, copy: np.ndarray | None, nbytes: int) -> None:
         """Give ``nbytes`` back to the shared-memory budget once ``copy``'s memory is freed: a request ended early
-        (cancelled, past its deadline) may leave its copy in a thread still copying or computing. Memory that is
-        not the copy's own (a pinned or arena block, pooled and bounded apart) is given back now."""
+        (cancelled, past its deadline) may leave its copy in a thread still copying or computing. At the latest
+        COPY_RELEASE_GRACE_S after now, whatever still holds it: a reference kept by mistake must not lock the
+        budget, and with it every later shared-memory request. Memory that is not the copy's own (a pinned or
+        arena block, pooled and bounded apart) is given back now."""
         owner = _memory_owner(copy)
         if owner is None:
             self.shm_budget.release(nbytes)
             return
         loop = asyncio.get_running_loop()
+        released = False
+
+        def release() -> None:
+            nonlocal released
+            if not released:
+                released = True
+                self.shm_budget.release(nbytes)
 
         def freed() -> None:  # on whichever thread drops the last reference
             with contextlib.suppress(RuntimeError):  # a closed loop: nothing waits for room any more
-                loop.call_soon_threadsafe(self.shm_budget.release, nbytes)
+                loop.call_soon_threadsafe(release)
 
         weakref.finalize(owner, freed)
+        loop.call_later(COPY_RELEASE_GRACE_S, release)
 
 
 def _memory_owner(array: np.ndarray | None) -> np.ndarray | None:

@@ -31,8 +31,6 @@ EXTENSIONS = ("model_configuration", "statistics", "streaming", "system_shared_m
 
 
 @dataclass
-
-
 class ServingState:
     """What the servicer serves; filled in as start-up proceeds."""
 
@@ -50,8 +48,6 @@ class ServingState:
 
 
 @dataclass(frozen=True)
-
-
 class MalformedRequest:
     """Stands in for a request whose bytes are not a valid protobuf message."""
 

@@ -97,7 +97,8 @@ class Arena:
     def allocate_now(self, nbytes: int) -> memoryview:
         """A block if one is free at once, else private memory (SharedMemoryRegistry.allocate's contract)."""
         got = self.try_allocate(nbytes) if nbytes <= self.largest else None
-        return got[1] if got is not None else memoryview(bytearray(nbytes))
+        # Private memory: numpy's, whose release the server's budget of shared-memory copies can see.
+        return got[1] if got is not None else np.empty(nbytes, np.uint8).data
 
     def offset_of(self, array: np.ndarray) -> int | None:
         """Where ``array`` (contiguous) lies in the arena, or None if it lies elsewhere."""

@@ -46,6 +46,8 @@ class Role:
         if kind not in (REPLICA, FRONTEND, ENGINE):
             raise ValueError(f"{ROLE_ENV}={kind!r}: not a role (replica, frontend or engine)")
         engines = tuple(p for p in env.get(ENGINES_ENV, "").split(os.pathsep) if p) if kind == FRONTEND else ()
+        if kind == FRONTEND and not engines:
+            raise ValueError(f"{ROLE_ENV}={FRONTEND} needs the engines' sockets in {ENGINES_ENV}")
         return cls(kind, run_dir, env.get(NAME_ENV, ""), engines, env.get(ENGINE_SOCKET_ENV, ""))
 
     def environment(self) -> dict[str, str]:

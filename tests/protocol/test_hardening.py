@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import gc
 import os
 import signal
 import threading
@@ -261,6 +262,61 @@ def test_an_idle_stream_ends_gracefully_for_another_and_a_busy_one_never(monkeyp
                     assert _relerr(parse_response(response.infer_response), x) <= FP32_TOL
                     await call.done_writing()
                 assert srv.server.limiter.preempted == 1
+
+        asyncio.run(attack())
+
+
+def test_connections_one_slot_apart_do_not_end_each_others_streams(monkeypatch):
+    """Ending a stream of a connection that holds just one slot more would only let it end one in return: the
+    newcomer is refused instead, and nothing is ended."""
+    monkeypatch.setattr(admission, "PREEMPT_IDLE_S", 0.05)
+    with running_server(max_concurrent_rpcs=4, max_streams_per_connection=4) as srv:
+        assert srv.wait_ready()
+
+        async def attack():
+            held = [await _idle_streams(srv.url, n) for n in (2, 1, 1)]  # connections holding 2, 1 and 1
+            try:
+                await _wait_for_active(srv, 4)
+                await asyncio.sleep(0.1)
+                with pytest.raises(grpc.aio.AioRpcError) as err:  # from the connection holding 1: 2 <= 1 + 1
+                    await pb_grpc.GRPCInferenceServiceStub(held[1][0]).ModelInfer(
+                        build_request(_x(), "voxnet", "FP32"), timeout=10)
+                assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+                assert srv.server.limiter.preempted == 0
+            finally:
+                for channel, calls in held:
+                    for call in calls:
+                        call.cancel()
+                    await channel.close()
+
+        asyncio.run(attack())
+
+
+def test_a_stream_just_answered_is_not_idle(monkeypatch):
+    """A stream's answer counts as activity: right after a slow request is answered, its stream is not ended for
+    a newcomer as if it had been idle since the request arrived."""
+    monkeypatch.setattr(admission, "PREEMPT_IDLE_S", 0.5)
+    with running_server(max_concurrent_rpcs=2, max_streams_per_connection=4, max_queue_delay_ms=800,
+                        max_batch=64) as srv:
+        assert srv.wait_ready()
+
+        async def attack():
+            x = _x()
+            async with _connection(srv.url) as mine, _connection(srv.url) as other:
+                stub = pb_grpc.GRPCInferenceServiceStub(mine)
+                streams = [stub.ModelStreamInfer() for _ in range(2)]
+                for call in streams:  # both wait in the batch queue for 0.8 s, then are answered together
+                    await call.write(build_request(x, "voxnet", "FP32"))
+                for call in streams:
+                    response = await call.read()
+                    assert _relerr(parse_response(response.infer_response), x) <= FP32_TOL
+                with pytest.raises(grpc.aio.AioRpcError) as err:  # at once: neither has been idle for 0.5 s
+                    await pb_grpc.GRPCInferenceServiceStub(other).ModelInfer(
+                        build_request(x, "voxnet", "FP32"), timeout=10)
+                assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+                assert srv.server.limiter.preempted == 0
+                for call in streams:
+                    await call.done_writing()
 
         asyncio.run(attack())
 
@@ -537,6 +593,28 @@ def test_a_cancelled_shared_memory_request_keeps_its_room_until_its_copy_is_free
                 time.sleep(0.02)
             assert budget.used == 0  # the copy was made, nobody wanted it, it was freed: room given back
             assert _relerr(c.infer_shared_memory(x.shape, "in"), x) <= FP32_TOL
+
+
+def test_a_finished_requests_copy_is_freed_by_its_last_reference(shm_input):
+    """With the garbage collector off, a finished request's copy is freed (and its room given back) as soon as
+    the request ends: nothing the server keeps between requests still refers to it."""
+    x = _x(4, (8, 8, 8))
+    name = shm_input(x)
+    with running_server(max_shm_inflight_bytes=x.nbytes) as srv:
+        assert srv.wait_ready()
+        budget = srv.server.service.shm_budget
+        with Client(srv.url) as c:
+            c.register_system_shared_memory("in", name, x.nbytes)
+            gc.disable()
+            try:
+                for _ in range(3):
+                    assert _relerr(c.infer_shared_memory(x.shape, "in"), x) <= FP32_TOL
+                    deadline = time.monotonic() + 2.0  # far below the budget's fallback (COPY_RELEASE_GRACE_S)
+                    while budget.used and time.monotonic() < deadline:
+                        time.sleep(0.01)
+                    assert budget.used == 0
+            finally:
+                gc.enable()
 
 
 def test_byte_budget_grants_in_order_and_cancelled_waits_take_nothing():
