@@ -32,6 +32,7 @@ ENV VOXSERVE_KERNEL_LIBRARY=/opt/voxserve/lib/libvoxserve_fused.so \
     PYTHONUNBUFFERED=1
 USER 10001
 EXPOSE 8001 8002
+# The port the server listens on: VOXSERVE_GRPC_PORT when set (the environment twin of --grpc-port), else 8001.
 HEALTHCHECK --interval=10s --timeout=5s --start-period=120s \
-  CMD ["voxserve", "health", "--url", "localhost:8001", "--timeout-s", "3"]
+  CMD ["sh", "-c", "exec voxserve health --url \"localhost:${VOXSERVE_GRPC_PORT:-8001}\" --timeout-s 3"]
 ENTRYPOINT ["voxserve", "serve"]

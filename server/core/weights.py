@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -86,7 +87,12 @@ def load(path: str | Path) -> Weights:
 
 
 def save(weights: Weights, path: str | Path) -> None:
+    """Write ``weights`` as safetensors, readable as any file this process creates (its umask): safetensors
+    itself writes 0600, which a container's non-root user cannot read from a mounted file."""
     save_file({WEIGHT_KEY: weights.weight, BIAS_KEY: weights.bias}, str(path))
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(path, 0o666 & ~umask)
 
 
 def convert_state_dict(src: str | Path, dst: str | Path) -> Weights:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import os
+import stat
 import subprocess
 import sys
 
@@ -27,6 +29,22 @@ def test_weights_default_writes_reference_weights(tmp_path, capsys):
     assert torch.equal(loaded.weight, w) and torch.equal(loaded.bias, b)
     assert main(["weights", "default", str(out), "--cin", "2", "--cout", "5", "-k", "4", "--seed", "3"]) == 0
     assert weights_io.load(out).weight.shape == (5, 2, 4, 4, 4)
+
+
+@pytest.mark.parametrize("action", ["default", "convert"])
+def test_written_weights_are_readable_by_others_as_the_umask_allows(tmp_path, action):
+    """A weights file mounted into a container is read by its non-root user: written as open() would (the
+    umask), not 0600."""
+    src = tmp_path / "state.pt"
+    torch.save({"conv.weight": torch.randn(16, 3, 3, 3, 3), "conv.bias": torch.randn(16)}, src)
+    out = tmp_path / "w.safetensors"
+    old = os.umask(0o022)
+    try:
+        args = ["weights", "default", str(out)] if action == "default" else ["weights", "convert", str(src), str(out)]
+        assert main(args) == 0
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE(out.stat().st_mode) == 0o644
 
 
 @pytest.mark.parametrize("keys", [("conv.weight", "conv.bias"), ("conv_weight", "conv_bias")])

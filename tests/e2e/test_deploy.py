@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
 import sys
@@ -27,6 +28,36 @@ def _tool(name: str) -> str:
 def test_dockerfile_is_hadolint_clean():
     proc = subprocess.run([_tool("hadolint"), str(REPO / "Dockerfile")], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def _healthcheck_command() -> list[str]:
+    """The Dockerfile's HEALTHCHECK command (JSON form), its continuation lines joined."""
+    text = (REPO / "Dockerfile").read_text().replace("\\\n", " ")
+    line = next(line for line in text.splitlines() if line.startswith("HEALTHCHECK"))
+    return json.loads(line.split(" CMD ", 1)[1])
+
+
+def test_the_images_healthcheck_follows_the_servers_port(tmp_path):
+    """The HEALTHCHECK asks the port the server listens on (VOXSERVE_GRPC_PORT, as the server reads it), so a
+    container run on another port is not reported unhealthy; a port with nothing behind it is."""
+    from ..conftest import serve_process
+    from ..e2e.test_lifecycle import _free_port
+
+    command = _healthcheck_command()
+    env = {"PATH": f"{Path(sys.executable).parent}:/usr/bin:/bin"}
+    with serve_process(tmp_path / "log", "--device", "cpu") as srv:
+        from voxserve.client import Client
+
+        from .test_lifecycle import _wait_for
+
+        with Client(srv.url, timeout_s=5) as c:
+            _wait_for(c.is_ready, 120, "the server to be ready")
+        ok = subprocess.run(command, env={**env, "VOXSERVE_GRPC_PORT": str(srv.grpc_port)},
+                            capture_output=True, text=True, timeout=60)
+        assert ok.returncode == 0, ok.stdout + ok.stderr
+        down = subprocess.run(command, env={**env, "VOXSERVE_GRPC_PORT": str(_free_port())},
+                              capture_output=True, text=True, timeout=60)
+        assert down.returncode != 0
 
 
 def test_kubernetes_manifests_validate():
