@@ -231,8 +231,7 @@ class InferenceService:
         served = True  # False: the request names a model this server does not serve
         code = Status.OK
         held = 0  # shared-memory bytes taken from the budget
-        copy = None  # the private copy they are for
-        decoded: codec.InferInput | None = None
+        decoded: codec.InferInput | None = None  # with ``held``: its array is the private copy they are for
         try:
             if isinstance(parsed, MalformedRequest):
                 raise parsed.error()
@@ -269,7 +268,6 @@ class InferenceService:
                         copying.add_done_callback(functools.partial(self._release_when_copied, held))
                         held = 0
                         raise
-                    copy = decoded.array
                 else:
                     decoded = codec.decode_request(request, spec, self.shm, parsed.raw)
                 m.input_bytes.inc(decoded.array.nbytes)
@@ -303,8 +301,8 @@ class InferenceService:
             raise internal("inference failed inside the server; see its log") from None
         finally:
             if held:
-                self._release_when_freed(copy, held)
-                copy = decoded = None  # the frame may outlive the call (a kept traceback): hold no copy
+                self._release_when_freed(decoded.array if decoded is not None else None, held)
+                decoded = None  # the frame may outlive the call (a kept traceback): hold no copy
             self.state.inflight -= 1
             if admitted:
                 self.state.accepted -= 1

@@ -93,6 +93,14 @@ async def _idle_streams(url: str, count: int, metadata=(), watch: bool = False):
     return channel, calls
 
 
+async def _hang_up(*held) -> None:
+    """Cancel the calls and close the channel of each (channel, calls)."""
+    for channel, calls in held:
+        for call in calls:
+            call.cancel()
+        await channel.close()
+
+
 # --- 1. idle streams cannot lock anyone out -------------------------------------------------------------------
 
 
@@ -113,10 +121,7 @@ def test_a_connection_full_of_idle_streams_leaves_room_for_everyone_else():
                         response = await stub.ModelInfer(build_request(x, "voxnet", "FP32"), timeout=10)
                         assert _relerr(parse_response(response), x) <= FP32_TOL
             finally:
-                for call in calls + watches:
-                    call.cancel()
-                await channel.close()
-                await watch_channel.close()
+                await _hang_up((channel, calls), (watch_channel, watches))
 
         asyncio.run(attack())
 
@@ -129,11 +134,7 @@ def test_the_server_wide_limit_refuses_with_its_flag_and_counts(monkeypatch):
         async def attack():
             held = [await _idle_streams(srv.url, 4) for _ in range(2)]  # two connections at their share: 8 slots
             try:
-                for _ in range(100):
-                    if srv.server.limiter.active >= 8:
-                        break
-                    await asyncio.sleep(0.02)
-                assert srv.server.limiter.active == 8
+                await _wait_for_active(srv, 8)
                 before = _counted(srv, "RESOURCE_EXHAUSTED")
                 async with _connection(srv.url) as other:
                     stub = pb_grpc.GRPCInferenceServiceStub(other)
@@ -143,10 +144,7 @@ def test_the_server_wide_limit_refuses_with_its_flag_and_counts(monkeypatch):
                 assert "--max-concurrent-rpcs" in err.value.details()
                 assert _counted(srv, "RESOURCE_EXHAUSTED") == before + 1
             finally:
-                for channel, calls in held:
-                    for call in calls:
-                        call.cancel()
-                    await channel.close()
+                await _hang_up(*held)
 
         asyncio.run(attack())
 
@@ -213,13 +211,9 @@ def test_idle_streams_over_many_connections_yield_their_slots_to_others(monkeypa
                 assert srv.server.limiter.preempted == 2
                 assert [await _ended_for_another(call) for call in watches].count(True) == 2
                 assert not any([await _ended_for_another(call) for call in streams + idle])
-                idle[0].cancel()
-                await refill.close()
+                await _hang_up((refill, idle))
             finally:
-                for call in watches + streams:
-                    call.cancel()
-                for channel in (a_channel, b_channel, *others):
-                    await channel.close()
+                await _hang_up((a_channel, watches), (b_channel, streams), *((ch, ()) for ch in others))
 
         asyncio.run(attack())
 
@@ -241,9 +235,7 @@ def test_an_idle_stream_ends_gracefully_for_another_and_a_busy_one_never(monkeyp
                 assert _relerr(parse_response(response), x) <= FP32_TOL
             assert [await _ended_for_another(call) for call in idle].count(True) == 1
             assert srv.server.limiter.preempted == 1
-            for call in idle:
-                call.cancel()
-            await channel.close()
+            await _hang_up((channel, idle))
             await _wait_for_active(srv, 0)
             async with _connection(srv.url) as mine:
                 stub = pb_grpc.GRPCInferenceServiceStub(mine)
@@ -284,10 +276,7 @@ def test_connections_one_slot_apart_do_not_end_each_others_streams(monkeypatch):
                 assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
                 assert srv.server.limiter.preempted == 0
             finally:
-                for channel, calls in held:
-                    for call in calls:
-                        call.cancel()
-                    await channel.close()
+                await _hang_up(*held)
 
         asyncio.run(attack())
 
@@ -351,10 +340,7 @@ def test_unauthenticated_probes_hold_no_slot_for_long(tmp_path):
                     build_request(x, "voxnet", "FP32"), metadata=AUTH, timeout=10)
                 assert _relerr(parse_response(response), x) <= FP32_TOL
             finally:
-                for channel, calls in [*held, (unauthenticated, streams)]:
-                    for call in calls:
-                        call.cancel()
-                    await channel.close()
+                await _hang_up(*held, (unauthenticated, streams))
 
         asyncio.run(attack())
 
