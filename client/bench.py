@@ -405,13 +405,14 @@ def setup_shared_memory(url: str, x: np.ndarray, datatype: str, model: str,
     wire = to_wire(x, datatype)
     tag = f"voxbench_{os.getpid()}_{next(_shm_ids)}"
     shm_in = SharedMemoryBuffer(f"{tag}_in", len(wire))
-    shm_out = SharedMemoryBuffer(f"{tag}_out", 4 * x.shape[0] * 1024)
     shm_in.write(np.frombuffer(wire, np.uint8))
     with Client(url, model=model, credentials=credentials) as c:
+        out_bytes = 4 * x.shape[0] * c._output_width()
+        shm_out = SharedMemoryBuffer(f"{tag}_out", out_bytes)
         c.register_system_shared_memory(f"{tag}_in", shm_in.key, shm_in.size)
         c.register_system_shared_memory(f"{tag}_out", shm_out.key, shm_out.size)
-    payload = build_shm_request(tuple(x.shape), model, datatype, f"{tag}_in",
-                                output_region=f"{tag}_out").SerializeToString()
+    payload = build_shm_request(tuple(x.shape), model, datatype, f"{tag}_in", output_region=f"{tag}_out",
+                                output_byte_size=out_bytes).SerializeToString()
 
     def cleanup() -> None:
         try:

@@ -74,9 +74,14 @@ def parse_response(response: pb.ModelInferResponse, name: str = "output") -> np.
 def build_shm_request(shape: tuple[int, ...], model: str, datatype: str, input_region: str, input_offset: int = 0,
                       output_region: str | None = None, output_offset: int = 0,
                       output_byte_size: int | None = None) -> pb.ModelInferRequest:
-    """A ModelInferRequest whose input (and optionally output) lives in registered system shared memory."""
+    """A ModelInferRequest whose input (and optionally output) lives in registered system shared memory.
+    With ``output_region``, ``output_byte_size`` is required: the protocol has every shared-memory tensor state
+    its size (N x Cout x 4 bytes for this model's FP32 output)."""
     if datatype not in INPUT_DATATYPES:
         raise ValueError(f"datatype must be one of {INPUT_DATATYPES}; got {datatype!r}")
+    if output_region is not None and output_byte_size is None:
+        raise ValueError("output_byte_size is required with output_region (the protocol requires "
+                         "shared_memory_byte_size on every shared-memory tensor)")
     request = pb.ModelInferRequest(model_name=model)
     tensor = request.inputs.add(name="input", datatype=datatype, shape=list(shape))
     tensor.parameters["shared_memory_region"].string_param = input_region
@@ -86,8 +91,7 @@ def build_shm_request(shape: tuple[int, ...], model: str, datatype: str, input_r
     if output_region is not None:
         out.parameters["shared_memory_region"].string_param = output_region
         out.parameters["shared_memory_offset"].int64_param = output_offset
-        if output_byte_size is not None:
-            out.parameters["shared_memory_byte_size"].int64_param = output_byte_size
+        out.parameters["shared_memory_byte_size"].int64_param = int(output_byte_size)  # type: ignore[arg-type]
     return request
 
 
@@ -102,6 +106,7 @@ class Client:
         self._metadata = self.credentials.metadata()
         self._channel = self.credentials.channel(url, _channel_options(max_message_bytes))
         self._stub = pb_grpc.GRPCInferenceServiceStub(self._channel)
+        self._width: int | None = None
 
     def _call(self, method: str, request: Any) -> Any:
         try:
@@ -115,11 +120,14 @@ class Client:
 
     def infer_shared_memory(self, shape: tuple[int, ...], input_region: str, *, datatype: str = "FP32",
                             input_offset: int = 0, output_region: str | None = None,
-                            output_offset: int = 0) -> np.ndarray | None:
+                            output_offset: int = 0, output_byte_size: int | None = None) -> np.ndarray | None:
         """Infer on an input already in a registered region; the output comes back in the response, or is
-        written to output_region (then None is returned)."""
+        written to output_region (then None is returned). ``output_byte_size`` defaults to the output's own
+        size, N x (the model's output width, from its metadata) x 4 bytes."""
+        if output_region is not None and output_byte_size is None:
+            output_byte_size = shape[0] * self._output_width() * 4
         response = self._call("ModelInfer", build_shm_request(shape, self.model, datatype, input_region, input_offset,
-                                                              output_region, output_offset))
+                                                              output_region, output_offset, output_byte_size))
         return None if output_region is not None else parse_response(response)
 
     def register_system_shared_memory(self, name: str, key: str, byte_size: int, offset: int = 0) -> None:
@@ -151,6 +159,12 @@ class Client:
 
     def model_metadata(self) -> pb.ModelMetadataResponse:
         return self._call("ModelMetadata", pb.ModelMetadataRequest(name=self.model))
+
+    def _output_width(self) -> int:
+        """The model's output width (Cout: its output shape is [-1, Cout]), asked once."""
+        if self._width is None:
+            self._width = int(self.model_metadata().outputs[0].shape[-1])
+        return self._width
 
     def model_config(self) -> Any:
         return self._call("ModelConfig", pb.ModelConfigRequest(name=self.model)).config

@@ -163,7 +163,10 @@ def decode_request(request: pb.ModelInferRequest, spec: ModelSpec, shm=None,
     typed = [fd.name for fd, _ in tensor.contents.ListFields()] if tensor.HasField("contents") else []
     if output_shm is not None:
         needed = shape[0] * spec.cout * 4
-        if output_shm.byte_size is not None and output_shm.byte_size < needed:
+        if output_shm.byte_size is None:
+            raise invalid(f"output '{OUTPUT_NAME}' is in shared memory but sets no '{SIZE_PARAM}'; the protocol "
+                          f"requires it (here at least {needed} bytes, the [{shape[0]}, {spec.cout}] FP32 output)")
+        if output_shm.byte_size < needed:
             raise invalid(f"output '{OUTPUT_NAME}': {SIZE_PARAM} {output_shm.byte_size} is less than the "
                           f"{needed} bytes of the [{shape[0]}, {spec.cout}] FP32 output")
         output_shm = SharedMemoryRef(output_shm.region, output_shm.offset, needed)
@@ -172,6 +175,9 @@ def decode_request(request: pb.ModelInferRequest, spec: ModelSpec, shm=None,
         if raw_contents or typed:
             raise invalid(f"input '{INPUT_NAME}' is in shared memory and must carry no other data")
         expected = elements * ITEMSIZE[datatype]
+        if input_shm.byte_size is None:
+            raise invalid(f"input '{INPUT_NAME}' is in shared memory but sets no '{SIZE_PARAM}'; the protocol "
+                          f"requires it (here {expected} bytes, shape {list(shape)} of {datatype})")
         if input_shm.byte_size != expected:
             raise invalid(f"input '{INPUT_NAME}' shape {list(shape)} of {datatype} needs {expected} bytes; "
                           f"'{SIZE_PARAM}' is {input_shm.byte_size}")

@@ -126,7 +126,8 @@ def test_hostile_offsets_and_sizes_in_requests(server, client):
         stub = pb_grpc.GRPCInferenceServiceStub(grpc.insecure_channel(server.url))
 
         def send(mutate):
-            request = build_shm_request(SHAPE, "voxnet", "FP32", "r", output_region="r")
+            request = build_shm_request(SHAPE, "voxnet", "FP32", "r", output_region="r",
+                                        output_byte_size=SHAPE[0] * 16 * 4)
             mutate(request)
             with pytest.raises(grpc.RpcError) as err:
                 stub.ModelInfer(request, timeout=30)
@@ -148,6 +149,10 @@ def test_hostile_offsets_and_sizes_in_requests(server, client):
              "outside region"),
             (lambda r: p(r.outputs[0], "shared_memory_byte_size").MergeFrom(pb.InferParameter(int64_param=4)),
              "is less than"),
+            # the protocol requires a byte size on every shared-memory tensor, the output's too (Triton refuses
+            # a request without; so does this server, so that a client tried here works there)
+            (lambda r: r.outputs[0].parameters.pop("shared_memory_byte_size"), "sets no 'shared_memory_byte_size'"),
+            (lambda r: r.inputs[0].parameters.pop("shared_memory_byte_size"), "sets no 'shared_memory_byte_size'"),
             (lambda r: p(r.inputs[0], "shared_memory_region").MergeFrom(pb.InferParameter(int64_param=3)),
              "must be a string"),
             (lambda r: r.raw_input_contents.append(b"\0" * x.nbytes), "must carry no other data"),
@@ -161,6 +166,13 @@ def test_hostile_offsets_and_sizes_in_requests(server, client):
         assert code == grpc.StatusCode.INVALID_ARGUMENT and "now smaller" in message
         os.truncate(f"/dev/shm{buf.key}", x.nbytes)
         assert client.infer_shared_memory(SHAPE, "r").shape == (2, 16)
+
+
+def test_client_states_the_output_byte_size():
+    with pytest.raises(ValueError, match="output_byte_size is required"):
+        build_shm_request(SHAPE, "voxnet", "FP32", "in", output_region="out")
+    request = build_shm_request(SHAPE, "voxnet", "FP32", "in", output_region="out", output_byte_size=128)
+    assert request.outputs[0].parameters["shared_memory_byte_size"].int64_param == 128
 
 
 def test_region_limits():
