@@ -13,9 +13,10 @@ import logging
 from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
+uvloop: Any
 try:
     import uvloop
-except ImportError:  # an optional dependency (the server extra installs it where it is built)
+except ImportError:  # optional (pip install uvloop; the test extra installs it)
     uvloop = None
 
 log = logging.getLogger(__name__)
