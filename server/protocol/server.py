@@ -40,6 +40,11 @@ class GrpcServer:
             ("grpc.max_send_message_length", settings.max_message_bytes),
             # One connection holds at most this share of --max-concurrent-rpcs.
             ("grpc.max_concurrent_streams", settings.max_streams_per_connection),
+            # ... counted as HTTP/2 counts them, as the client does. gRPC's overload protection also counts a call
+            # whose answer was sent until its handler has let go of it, a moment later, and resets the streams
+            # a client opens within that moment (REFUSED_STREAM): a client at its limit lost up to 40 % of its
+            # calls. The server's own bounds (--max-concurrent-rpcs, the queue) hold either way.
+            ("grpc.http.overload_protection", 0),
             # Find dead peers (a vanished or stalled client) and free what their calls hold.
             ("grpc.keepalive_time_ms", 60_000),
             ("grpc.keepalive_timeout_ms", 20_000),

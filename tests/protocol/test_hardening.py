@@ -126,6 +126,39 @@ def test_a_connection_full_of_idle_streams_leaves_room_for_everyone_else():
         asyncio.run(attack())
 
 
+def test_a_connection_busy_at_its_stream_limit_loses_no_call():
+    """A client keeping as many calls open on one connection as --max-streams-per-connection (or more: they wait on
+    its side) is never refused a stream. gRPC's overload protection counted a call against the limit until the
+    handler's call object was released, a moment after its answer, so such a client's next call was often reset
+    with REFUSED_STREAM (UNAVAILABLE 'Stream removed')."""
+    with running_server(max_concurrent_rpcs=64, max_streams_per_connection=8) as srv:
+        assert srv.wait_ready()
+        x = np.random.default_rng().standard_normal((1, 3, 4, 4, 4), dtype=np.float32)
+        body = build_request(x, "voxnet", "FP32")
+
+        async def load(concurrency: int, seconds: float) -> tuple[int, list[str]]:
+            async with _connection(srv.url) as channel:
+                stub = pb_grpc.GRPCInferenceServiceStub(channel)
+                stop = asyncio.get_running_loop().time() + seconds
+                ok, errors = 0, []
+
+                async def worker():
+                    nonlocal ok
+                    while asyncio.get_running_loop().time() < stop:
+                        try:
+                            await stub.ModelInfer(body, timeout=30)
+                            ok += 1
+                        except grpc.aio.AioRpcError as exc:
+                            errors.append(f"{exc.code().name}: {exc.details()}")
+
+                await asyncio.gather(*(worker() for _ in range(concurrency)))
+                return ok, errors
+
+        for concurrency in (8, 16):
+            ok, errors = asyncio.run(load(concurrency, 2.0))
+            assert ok > 0 and not errors, (concurrency, ok, len(errors), errors[:3])
+
+
 def test_the_server_wide_limit_refuses_with_its_flag_and_counts(monkeypatch):
     monkeypatch.setattr(admission, "PREEMPT_IDLE_S", 600.0)  # no stream idle long enough to be ended for another
     with running_server(max_concurrent_rpcs=8, max_streams_per_connection=4) as srv:
