@@ -184,7 +184,7 @@ class CudaPipeline:
         self.depth = depth
         if self.native is not None:
             self._capture_stream = torch.cuda.Stream(self.device)
-            self._graph_max_bytes = graphs.max_input_bytes if graphs is not None else 0
+            self._graph_max_bytes = graphs.max_input_bytes if graphs is not None else 0  # graphs up to this size
             self._max_graphs = graphs.max_graphs if graphs is not None else 0  # per slot
             self._seen: collections.Counter[tuple] = collections.Counter()  # graph keys run directly so far
             self.native_executions = 0  # executions enqueued by the native path, ever (tests read it)
@@ -218,6 +218,26 @@ class CudaPipeline:
             spans.append((address, a.nbytes))
         return np.array(spans, dtype=np.int64).reshape(-1, 2)
 
+    def _padded(self, arrays: list[np.ndarray], samples: int, nbytes: int) -> tuple[int, tuple[int, ...]]:
+        """The batch's bytes and shape once padded to its graph bucket (unpadded where no graph applies)."""
+        limit = self.graphs.max_input_bytes if self.graphs is not None else 0
+        padded = graph_bucket(samples, nbytes // samples, limit) if limit else samples
+        return nbytes // samples * padded, (padded, *arrays[0].shape[1:])
+
+    def _take_slot(self, wait: bool, nbytes: int, out_floats: int) -> _Slot | None:
+        """A free slot with room for ``nbytes`` of input and ``out_floats`` of output, waiting for one if ``wait``;
+        else None when all are in flight."""
+        try:
+            slot = self._free.get(block=wait)
+        except queue.Empty:
+            return None
+        try:
+            slot.reserve(nbytes, out_floats)
+        except BaseException:
+            self._free.put(slot)
+            raise
+        return slot
+
     def submit(self, arrays: list[np.ndarray], datatype: str, wait_for_slot: bool = True, notify: bool = False,
                max_host_copy: int | None = None) -> Pending | None:
         """Stage ``arrays`` (same sample shape, wire-typed) as one batch and enqueue its execution; with
@@ -236,17 +256,12 @@ class CudaPipeline:
         direct = self._page_locked_spans(arrays)
         if direct is None and max_host_copy is not None and nbytes > max_host_copy:
             return None
-        graphs = self.graphs
-        padded = graph_bucket(samples, nbytes // samples, graphs.max_input_bytes) if graphs is not None else samples
-        padded_bytes = nbytes // samples * padded
-        shape = (padded, *arrays[0].shape[1:])
+        padded_bytes, shape = self._padded(arrays, samples, nbytes)
         cout = self.cout
-        try:
-            slot = self._free.get(block=wait_for_slot)
-        except queue.Empty:
+        slot = self._take_slot(wait_for_slot, padded_bytes, shape[0] * cout)
+        if slot is None:
             return None
         try:
-            slot.reserve(padded_bytes, padded * cout)
             t0 = time.perf_counter_ns()
             if direct is None:
                 offset = 0
@@ -305,17 +320,12 @@ class CudaPipeline:
             spans = np.array([(a.__array_interface__["data"][0], a.nbytes) for a in arrays], dtype=np.int64)
         if not locked and max_host_copy is not None and nbytes > max_host_copy:
             return None
-        sample_bytes = nbytes // samples
-        padded = graph_bucket(samples, sample_bytes, self._graph_max_bytes) if self._graph_max_bytes else samples
-        padded_bytes = sample_bytes * padded
-        shape = (padded, *arrays[0].shape[1:])
+        padded_bytes, shape = self._padded(arrays, samples, nbytes)
         cout = self.cout
-        try:
-            slot = self._free.get(block=wait_for_slot)
-        except queue.Empty:
+        slot = self._take_slot(wait_for_slot, padded_bytes, shape[0] * cout)
+        if slot is None:
             return None
         try:
-            slot.reserve(padded_bytes, padded * cout)
             ex = slot.execution
             host_copy_ns = 0
             if locked:
@@ -347,8 +357,8 @@ class CudaPipeline:
                 floats = self.native.workspace_floats(shape)
                 if slot.workspace.numel() < floats:
                     slot.workspace = torch.empty(_round_up(floats), dtype=torch.float32, device=self.device)
-                if slot.direct_out.numel() < padded * cout:
-                    slot.direct_out = torch.empty(max(padded * cout, 4096), dtype=torch.float32, device=self.device)
+                if slot.direct_out.numel() < shape[0] * cout:
+                    slot.direct_out = torch.empty(max(shape[0] * cout, 4096), dtype=torch.float32, device=self.device)
                 ex.graph_exec, ex.out, ex.workspace = None, slot.direct_out.data_ptr(), slot.workspace.data_ptr()
                 ex.sizes[:] = shape
                 ex.strides[:] = fused_cuda.contiguous_strides(shape)
