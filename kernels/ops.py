@@ -11,6 +11,7 @@ op run under torch.compile and CUDA graphs.
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 
 import torch
 
@@ -151,6 +152,11 @@ def _(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, precision: str 
     return x.new_empty((x.shape[0], weight.shape[0]), dtype=torch.float32)
 
 
+# The op's CUDA kernel (set by cuda.py): eager calls on plain CUDA tensors go to it directly, since the
+# dispatcher's round trip through a Python custom op costs more host time than the launch itself.
+_cuda_kernel: Callable[..., torch.Tensor] | None = None
+
+
 def fused_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, precision: str = "fp32") -> torch.Tensor:
     """The whole model in one op: (N, Cin, D, H, W) -> (N, Cout) float32 on x's device.
 
@@ -160,4 +166,9 @@ def fused_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, pre
     """
     check_arguments(x, weight, bias)
     check_precision(precision)
+    if (_cuda_kernel is not None and type(x) is torch.Tensor and x.is_cuda and not torch.compiler.is_compiling()
+            and not (x.requires_grad or weight.requires_grad or bias.requires_grad)):
+        # What the dispatcher would call, without it: under torch.compile, fake tensors, or autograd the op
+        # goes through torch.ops as usual.
+        return _cuda_kernel(x, weight, bias, precision)
     return torch.ops.voxserve.fused_forward(x, weight, bias, precision)

@@ -197,6 +197,26 @@ def test_wide_cout_falls_back_to_reference(rng):
     assert relative_error(fused_forward(x, w, b), reference_float64(x, w, b)) <= FP32_TOL
 
 
+def test_eager_calls_skip_the_dispatcher_with_the_same_bits(rng, monkeypatch):
+    from voxserve.kernels import ops
+
+    calls = []
+    kernel = ops._cuda_kernel
+    monkeypatch.setattr(ops, "_cuda_kernel", lambda *a: calls.append(1) or kernel(*a))
+    for cout, cin, k, shape in ((16, 3, 3, (3, 3, 16, 32, 32)), (5, 2, 2, (2, 2, 6, 7, 8))):
+        w, b = _weights(rng, cout, cin, k)
+        x = torch.randn(shape, generator=rng).to(DEV)
+        direct = fused_forward(x, w, b)
+        assert torch.equal(direct, torch.ops.voxserve.fused_forward(x, w, b, "fp32"))
+        assert relative_error(direct, reference_float64(x, w, b)) <= FP32_TOL
+        # A layout seen before takes the remembered launch arguments: the same bits again.
+        assert torch.equal(fused_forward(x, w, b), direct)
+    assert len(calls) == 4
+    w.requires_grad_(True)  # autograd: through the dispatcher, as before
+    fused_forward(x, w, b)
+    assert len(calls) == 4
+
+
 def test_opcheck_cuda(rng):
     for cout, cin, k in ((16, 3, 3), (5, 2, 2)):
         w, b = _weights(rng, cout, cin, k)
