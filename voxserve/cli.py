@@ -158,11 +158,15 @@ def build_parser() -> argparse.ArgumentParser:
     ksub = kernel.add_subparsers(dest="kernel_command", required=True, metavar="ACTION")
     kbuild = ksub.add_parser("build", help="compile kernels/csrc/fused.cu with nvcc into the kernel cache",
                              description="Builds the shared library the server loads on a GPU; the cache is "
-                             "$VOXSERVE_KERNEL_CACHE or ~/.cache/voxserve/kernels. Prints the ptxas report.")
+                             "$VOXSERVE_KERNEL_CACHE or ~/.cache/voxserve/kernels. Prints one line: the library, "
+                             "the build time (or the cache), and ptxas's registers and spills; its whole report "
+                             "is kept beside the library.")
     kbuild.add_argument("--arch", default=None,
-                        help="CUDA architectures, e.g. '9.0' or '8.0;9.0a' [default: VOXSERVE_CUDA_ARCH_LIST, "
-                        "TORCH_CUDA_ARCH_LIST, the visible GPUs, else 9.0]")
+                        help="CUDA architectures, e.g. '9.0a' (H100/H200: the warpgroup kernel needs the 'a') or "
+                        "'8.0;9.0a' [default: VOXSERVE_CUDA_ARCH_LIST, TORCH_CUDA_ARCH_LIST, the visible GPUs "
+                        "(9.0 as 9.0a), else 9.0a]")
     kbuild.add_argument("--force", action="store_true", help="rebuild even when a cached build exists")
+    kbuild.add_argument("--verbose", action="store_true", help="also print ptxas's whole report")
     return parser
 
 
@@ -248,14 +252,16 @@ def _kernel(args: argparse.Namespace) -> int:
 
     try:
         archs = build.parse_arch_list(args.arch) if args.arch else None
+    except build.KernelBuildError as exc:
+        raise UsageError(f"--arch: {exc}") from None
+    try:
         result = build.build(archs, force=args.force)
     except build.KernelBuildError as exc:
         print(f"voxserve kernel build: {exc}", file=sys.stderr)
         return 1
-    report = [line for line in result.ptxas_report.splitlines() if "registers" in line or "spill" in line]
-    print("\n".join(report))
-    how = f"built in {result.seconds:.1f} s" if result.seconds else "already built (cache)"
-    print(f"{result.path} for {','.join(result.archs)}: {how}")
+    if args.verbose:
+        print(result.ptxas_report.rstrip())
+    print(result.summary() + ("" if args.verbose else f"; ptxas's report: {result.report_path} (or --verbose)"))
     return 0
 
 
