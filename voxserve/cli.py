@@ -23,6 +23,14 @@ class UsageError(Exception):
     """A mistake in what the user gave a command (a flag, a file): printed as one line naming it, exit 2."""
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse's parser, with a mistake in the arguments told in one line (argparse prints the whole usage
+    first: 28 lines for serve's flags) and where to read them."""
+
+    def error(self, message: str):  # type: ignore[override]
+        self.exit(2, f"{self.prog}: {message} (--help lists the flags)\n")
+
+
 def _positive_int(text: str) -> int:
     try:
         value = int(text)
@@ -86,7 +94,7 @@ def _add_url(parser: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="voxserve", description=__doc__)
+    parser = _Parser(prog="voxserve", description=__doc__)
     parser.add_argument("--version", action="version", version=f"voxserve {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
@@ -306,6 +314,7 @@ def _check_serve_inputs(settings) -> None:
         raise UsageError(str(exc)) from None
     except OSError as exc:
         raise UsageError(f"--host {host}: cannot listen on this address ({exc.strerror or exc})") from None
+    _readable("--weights", settings.weights or None)
     try:
         if settings.weights:
             weights_io.load(settings.weights)
@@ -439,7 +448,12 @@ def _weights(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    parser = build_parser()
+    if not argv:  # what a new user types first: the commands, not an error
+        parser.print_help(sys.stderr)
+        return 2
+    args = parser.parse_args(argv)
     handlers = {"serve": _serve, "infer": _infer, "health": _health, "weights": _weights, "kernel": _kernel,
                 "bench": _bench}
     try:
@@ -447,6 +461,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except UsageError as exc:
         print(f"voxserve {args.command}: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C before a server's own handler is in place, or in a client command
+        print(f"voxserve {args.command}: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

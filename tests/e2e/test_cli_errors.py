@@ -120,8 +120,23 @@ def test_weights_default_sizes_must_be_positive(tmp_path, capsys, flags, name):
     with pytest.raises(SystemExit) as exited:
         main(["weights", "default", str(tmp_path / "w.safetensors"), *flags])
     assert exited.value.code == 2
+    assert f"argument {name}" in _one_line(capsys.readouterr().err)
+
+
+@pytest.mark.parametrize("argv", [["serve", "--frontends", "abc"], ["serve", "--no-such-flag"],
+                                  ["infer", "--url", "h:1"], ["bench", "--concurrency", "0"]])
+def test_a_flag_argparse_refuses_is_one_line(capsys, argv):
+    """Not serve's whole usage (28 lines) before the one that matters."""
+    with pytest.raises(SystemExit) as exited:
+        main(argv)
+    assert exited.value.code == 2
+    assert "--help" in _one_line(capsys.readouterr().err)
+
+
+def test_no_command_shows_the_commands(capsys):
+    assert main([]) == 2
     err = capsys.readouterr().err
-    assert "Traceback" not in err and f"argument {name}" in err.splitlines()[-1]
+    assert all(command in err for command in ("serve", "infer", "health", "bench", "weights", "kernel"))
 
 
 def test_weights_default_sizes_over_the_limits(tmp_path, capsys):
@@ -215,7 +230,8 @@ def bad_files(tmp_path):
 
 
 @pytest.mark.parametrize("case", ["fake certificate", "key of another certificate", "fake client CA",
-                                  "garbage weights", "garbage weights, front ends", "short token"])
+                                  "garbage weights", "garbage weights, front ends", "weights folder",
+                                  "short token"])
 def test_serve_with_files_it_cannot_use(serve_in_process, bad_files, case):
     one, other, fake = bad_files["one"], bad_files["other"], bad_files["fake"]
     flags, names = {
@@ -227,6 +243,8 @@ def test_serve_with_files_it_cannot_use(serve_in_process, bad_files, case):
         "garbage weights": (["--weights", bad_files["garbage"]], [str(bad_files["garbage"])]),
         "garbage weights, front ends": (["--weights", bad_files["garbage"], "--frontends", "2"],
                                         [str(bad_files["garbage"])]),
+        "weights folder": (["--weights", bad_files["garbage"].parent], [f"--weights {bad_files['garbage'].parent}",
+                                                                         "is a folder"]),
         "short token": (["--auth-token-file", bad_files["short"]], ["--auth-token-file", "at least 16"]),
     }[case]
     serve_in_process("--host", "127.0.0.1", "--grpc-port", "0", "--metrics-port", "-1", *flags, names=tuple(names))
@@ -290,3 +308,14 @@ def test_health_not_serving(capsys):
 def test_health_wrong_model_name(server, capsys):
     out = _health(capsys, "--url", server.url, "--model-name", "other")
     assert "'other'" in out and "--model-name" in out
+
+
+def test_ctrl_c_is_one_line(monkeypatch, capsys):
+    from voxserve.kernels import build
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(build, "build", interrupted)
+    assert main(["kernel", "build", "--arch", "9.0a"]) == 130
+    assert _one_line(capsys.readouterr().err) == "voxserve kernel: interrupted"
