@@ -250,6 +250,34 @@ def test_serve_with_files_it_cannot_use(serve_in_process, bad_files, case):
     serve_in_process("--host", "127.0.0.1", "--grpc-port", "0", "--metrics-port", "-1", *flags, names=tuple(names))
 
 
+def test_the_tls_check_refuses_only_what_cannot_be_used(tmp_path, monkeypatch):
+    """A certificate gRPC serves with is let through, a weak (1024-bit RSA) one included: the check is whether
+    the files parse and match, not OpenSSL's security policy."""
+    import datetime
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import rsa
+    from cryptography.x509.oid import NameOID
+
+    import voxserve.server.app
+
+    key = rsa.generate_private_key(public_exponent=65537, key_size=1024)
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "localhost")])
+    now = datetime.datetime.now(datetime.timezone.utc)
+    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
+            .serial_number(1).not_valid_before(now).not_valid_after(now + datetime.timedelta(days=1))
+            .sign(key, hashes.SHA256()))
+    (tmp_path / "c.pem").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    (tmp_path / "k.pem").write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                                       serialization.NoEncryption()))
+    started = []
+    monkeypatch.setattr(voxserve.server.app, "serve", lambda settings: started.append(settings) or 0)
+    assert main(["serve", "--device", "cpu", "--host", "127.0.0.1", "--grpc-port", "0", "--metrics-port", "-1",
+                 "--tls-cert", str(tmp_path / "c.pem"), "--tls-key", str(tmp_path / "k.pem")]) == 0
+    assert len(started) == 1
+
+
 # ---- health says why
 
 
