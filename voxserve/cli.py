@@ -9,11 +9,15 @@ import ssl
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from voxserve import __version__
 from voxserve.datatypes import CLI_DTYPES
+
+if TYPE_CHECKING:
+    from voxserve.server.settings import Settings
 
 DEFAULT_URL = "localhost:8001"
 NPY_MAGIC = b"\x93NUMPY"
@@ -293,7 +297,7 @@ def _serve(args: argparse.Namespace) -> int:
     return serve(settings)
 
 
-def _check_serve_inputs(settings) -> None:
+def _check_serve_inputs(settings: Settings) -> None:
     """What the user gave `serve`, checked before any process starts or any port opens, in every topology
     (--replicas and --frontends read the weights in their children, after the front ends have bound): the
     address and ports, the weights, the TLS and token files. The server checks them again (exit 1 when one
