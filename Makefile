@@ -8,10 +8,16 @@ BIN := $(VENV)/bin
 
 .PHONY: serve test lint kernel-check proto clean
 
+# The first run installs for a few minutes (PyTorch alone is hundreds of MB): each step says what it does, and
+# pip shows what it downloads and installs.
 $(BIN)/.installed: pyproject.toml $(CONSTRAINTS)
+	@echo "==> [1/3] creating the virtual environment $(VENV)/ (first use, or pyproject.toml changed)"
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install -q "$(TORCH_SPEC)"
-	$(BIN)/pip install -q -c $(CONSTRAINTS) -e '.[server,test]'
+	@echo "==> [2/3] installing PyTorch ($(TORCH_SPEC)): the largest download, a few minutes on first use"
+	$(BIN)/pip install "$(TORCH_SPEC)"
+	@echo "==> [3/3] installing voxserve with its server and test extras"
+	$(BIN)/pip install -c $(CONSTRAINTS) -e '.[server,test]'
+	@echo "==> installed into $(VENV)/"
 	touch $@
 
 ## serve: start the server with the default weights (GPU if one is usable, else the CPU); ARGS=... adds flags
@@ -20,6 +26,7 @@ serve: $(BIN)/.installed
 
 ## test: lint, then the whole test suite (GPU tests skip without a GPU)
 test: $(BIN)/.installed lint
+	@echo "==> the test suite (a few minutes; GPU tests skip without a GPU, the reason shown at the end)"
 	$(BIN)/pytest -q $(PYTEST_ARGS)
 
 ## lint: ruff, then mypy on the installed package's modules (laid out as voxserve.* under build/, as installed)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import re
 import shutil
 import subprocess
 import tempfile
@@ -24,6 +25,8 @@ log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).resolve().parent / "csrc" / "fused.cu"
 LIBRARY_NAME = "libvoxserve_fused.so"
+REPORT_NAME = "ptxas.txt"
+FAILED_LOG_NAME = "nvcc-failed.txt"  # the whole output of a build that failed, beside where the library would be
 # -split-compile=0: the back end optimises the many kernel instantiations in parallel, one job per CPU.
 NVCC_FLAGS = ("-O3", "-std=c++17", "-shared", "-Xcompiler", "-fPIC", "-lineinfo", "-split-compile=0")
 DEFAULT_ARCHS = ("9.0a",)  # H100 / H200, with Hopper's arch-specific instructions (wgmma)
@@ -39,6 +42,65 @@ class BuildResult:
     archs: tuple[str, ...]
     seconds: float  # 0 when it came from the cache
     ptxas_report: str
+
+    @property
+    def report_path(self) -> Path:
+        """ptxas's report of the build (``-Xptxas -v``), kept beside the library."""
+        return self.path.parent / REPORT_NAME
+
+    def summary(self) -> str:
+        """One line: the library, how it came (built, or from the cache) and what ptxas said of its kernels."""
+        how = f"built in {self.seconds:.1f} s" if self.seconds else "already built (cache)"
+        line = f"{self.path} for {','.join(self.archs)}: {how}"
+        kernels = ptxas_kernels(self.ptxas_report)
+        if kernels:
+            spilling = sorted({k.name for k in kernels if k.spill_bytes})
+            line += (f"; {len(kernels)} kernels, up to {max(k.registers for k in kernels)} registers a thread, "
+                     + (f"spills in {', '.join(spilling)}" if spilling else "no spills"))
+        bases = {a.removesuffix("+PTX") for a in self.archs}
+        if "9.0" in bases and "9.0a" not in bases:
+            line += "; 9.0 without the 'a': no warpgroup (wgmma) kernel (9.0a has it)"
+        return line
+
+
+@dataclass(frozen=True)
+class KernelReport:
+    """What ptxas reported for one entry function."""
+
+    name: str  # the kernel's name without its template arguments, e.g. fused_tile_kernel
+    arch: str  # e.g. sm_90a
+    registers: int
+    spill_bytes: int  # stores plus loads
+
+
+_ENTRY = re.compile(r"Compiling entry function '(?P<mangled>[^']+)' for '(?P<arch>[^']+)'")
+_SPILLS = re.compile(r"(?P<stores>\d+) bytes spill stores, (?P<loads>\d+) bytes spill loads")
+_REGISTERS = re.compile(r"Used (?P<registers>\d+) registers")
+
+
+def _kernel_name(mangled: str) -> str:
+    """The name ending in 'kernel' in an Itanium-mangled symbol, where each name is written <length><name>
+    (``..._GLOBAL__N_117fused_tile_kernelI6__half...`` -> fused_tile_kernel); the whole symbol if none is."""
+    for match in re.finditer("kernel", mangled):
+        end = match.end()
+        for start in range(match.start(), 0, -1):  # the shortest name first: one whose length precedes it
+            name = mangled[start:end]
+            if name.isidentifier() and mangled[:start].endswith(str(len(name))):
+                return name
+    return mangled
+
+
+def ptxas_kernels(report: str) -> list[KernelReport]:
+    """The entry functions of a ptxas report (``-Xptxas -v``), with their registers and spills."""
+    kernels = []
+    entries = list(_ENTRY.finditer(report))
+    for i, entry in enumerate(entries):
+        text = report[entry.end():entries[i + 1].start() if i + 1 < len(entries) else len(report)]
+        spills, registers = _SPILLS.search(text), _REGISTERS.search(text)
+        kernels.append(KernelReport(
+            _kernel_name(entry["mangled"]), entry["arch"], int(registers["registers"]) if registers else 0,
+            int(spills["stores"]) + int(spills["loads"]) if spills else 0))
+    return kernels
 
 
 def find_nvcc() -> str:
@@ -124,7 +186,7 @@ def build(archs: tuple[str, ...] | None = None, out_dir: Path | None = None, for
     digest = hashlib.sha256("\0".join([SOURCE.read_text(), version, *flags]).encode()).hexdigest()[:16]
     target_dir = (out_dir or cache_dir()) / digest
     target = target_dir / LIBRARY_NAME
-    report_path = target_dir / "ptxas.txt"
+    report_path = target_dir / REPORT_NAME
     if target.exists() and not force:
         return BuildResult(target, archs, 0.0, report_path.read_text() if report_path.exists() else "")
     target_dir.mkdir(parents=True, exist_ok=True)
@@ -134,7 +196,12 @@ def build(archs: tuple[str, ...] | None = None, out_dir: Path | None = None, for
         cmd = [nvcc, *flags, "-Xptxas", "-v", "-o", str(tmp_lib), str(SOURCE)]
         proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
         if proc.returncode != 0:
-            raise KernelBuildError(f"nvcc failed ({' '.join(cmd)}):\n{proc.stderr[-4000:]}")
+            log_path = target_dir / FAILED_LOG_NAME
+            log_path.write_text(f"{' '.join(cmd)}\n{proc.stdout}{proc.stderr}")
+            errors = [line for line in proc.stderr.splitlines() if "error" in line.lower()] or \
+                proc.stderr.splitlines()[-20:]
+            raise KernelBuildError(f"nvcc failed with {len(errors)} error line(s); the whole log is in {log_path}:\n"
+                                   + "\n".join(errors[:20]))
         report_path.write_text(proc.stderr)
         os.replace(tmp_lib, target)  # atomic: concurrent builders never see a partial library
     seconds = time.perf_counter() - started

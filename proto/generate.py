@@ -4,9 +4,11 @@
     python -m voxserve.proto.generate --check  # exit 1 if they are not current
 
 The generated modules are committed, so the server runs where grpcio-tools is
-not installed (it is a development dependency only). protoc emits absolute
-imports between generated modules (``import model_config_pb2``); they are made
-package-relative here, which is the one change made to protoc's output.
+not installed (it is a development dependency only). Two changes are made to
+protoc's output: its absolute imports between generated modules
+(``import model_config_pb2``) are made package-relative, and the files are added
+to voxserve's own descriptor pool (``pool.POOL``) instead of protobuf's default
+one, where tritonclient's files of the same names go (``pool.py`` says why).
 """
 
 from __future__ import annotations
@@ -20,6 +22,9 @@ from pathlib import Path
 PROTO_DIR = Path(__file__).resolve().parent
 PROTOS = ("model_config.proto", "grpc_service.proto")
 _ABSOLUTE_IMPORT = re.compile(r"^import (\w+_pb2) as (\w+)$", re.MULTILINE)
+_DEFAULT_POOL = "_descriptor_pool.Default().AddSerializedFile("
+_OWN_POOL = "_pool.POOL.AddSerializedFile("
+_POOL_IMPORT = "from . import pool as _pool\n"
 
 
 def generate(out_dir: Path) -> list[Path]:
@@ -39,8 +44,18 @@ def generate(out_dir: Path) -> list[Path]:
     files = sorted(p for p in out_dir.iterdir() if p.name.endswith(("_pb2.py", "_pb2.pyi", "_pb2_grpc.py")))
     for path in files:
         text = _ABSOLUTE_IMPORT.sub(r"from . import \1 as \2", path.read_text())
+        if path.name.endswith("_pb2.py"):
+            text = _own_pool(text, path.name)
         path.write_text(text)
     return files
+
+
+def _own_pool(text: str, name: str) -> str:
+    """protoc's module with its file added to pool.POOL instead of the default pool."""
+    marker = "# @@protoc_insertion_point(imports)\n"
+    if text.count(_DEFAULT_POOL) != 1 or text.count(marker) != 1:
+        raise RuntimeError(f"{name}: protoc's output has changed; cannot point it at voxserve's descriptor pool")
+    return text.replace(_DEFAULT_POOL, _OWN_POOL).replace(marker, marker + _POOL_IMPORT)
 
 
 def main(argv: list[str] | None = None) -> int:

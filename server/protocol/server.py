@@ -9,6 +9,8 @@ import grpc
 from grpc_health.v1 import health_pb2
 from grpc_reflection.v1alpha import reflection, reflection_pb2
 
+from voxserve.proto.pool import reflection_pool
+
 from ..settings import Settings
 from . import security
 from .admission import RpcLimiter
@@ -84,8 +86,10 @@ class GrpcServer:
             "Watch": handler(grpc.unary_stream_rpc_method_handler, self.health.Watch,
                              health_pb2.HealthCheckRequest, health_pb2.HealthCheckResponse),
         }
+        # Our messages are in a pool of their own (proto/pool.py), health's and reflection's in the default.
         reflector = reflection.aio.ReflectionServicer(
-            (SERVICE_NAME, HEALTH_SERVICE, reflection.SERVICE_NAME, REFLECTION_V1))
+            (SERVICE_NAME, HEALTH_SERVICE, reflection.SERVICE_NAME, REFLECTION_V1),
+            pool=reflection_pool(health_pb2.DESCRIPTOR, reflection_pb2.DESCRIPTOR))
         reflection_handlers = {"ServerReflectionInfo": handler(
             grpc.stream_stream_rpc_method_handler, reflector.ServerReflectionInfo,
             reflection_pb2.ServerReflectionRequest, reflection_pb2.ServerReflectionResponse)}

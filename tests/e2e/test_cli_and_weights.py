@@ -60,10 +60,10 @@ def test_weights_convert_state_dict(tmp_path, keys):
 def test_weights_convert_refuses_other_files(tmp_path, capsys):
     src = tmp_path / "sd.pt"
     torch.save({"weight": torch.zeros(1)}, src)
-    assert main(["weights", "convert", str(src), str(tmp_path / "o.safetensors")]) == 1
+    assert main(["weights", "convert", str(src), str(tmp_path / "o.safetensors")]) == 2
     assert "needs conv.weight and conv.bias" in capsys.readouterr().err
     src.write_bytes(b"garbage")
-    assert main(["weights", "convert", str(src), str(tmp_path / "o.safetensors")]) == 1
+    assert main(["weights", "convert", str(src), str(tmp_path / "o.safetensors")]) == 2
     assert "not a loadable PyTorch state dict" in capsys.readouterr().err
 
 

@@ -132,13 +132,13 @@ def test_event_loop_choice():
     assert eventloop.run(_loop_kind(), "asyncio") == "asyncio"
 
 
-def test_bad_weights_fail_start_with_exit_1(tmp_path):
+def test_bad_weights_fail_start_with_exit_2(tmp_path):
     bad = tmp_path / "w.safetensors"
     bad.write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00{}      ")
     proc = subprocess.run(
         [sys.executable, "-m", "voxserve", "serve", "--weights", str(bad), "--grpc-port", "0", "--metrics-port", "-1",
          "--device", "cpu"], cwd=REPO, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 1
+    assert proc.returncode == 2
     assert "missing tensor(s) conv.weight, conv.bias" in proc.stderr
 
 

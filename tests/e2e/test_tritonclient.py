@@ -15,7 +15,7 @@ import torch
 from voxserve.kernels import reference_float64, reference_weights
 from voxserve.server.core.model import relative_error
 
-# Only look for it: importing tritonclient here would clash with our own protocol modules.
+# Only look for it: the driver runs tritonclient in a process of its own, as a user's program would.
 if importlib.util.find_spec("tritonclient") is None:
     pytest.skip("tritonclient[grpc] (a test dependency) is not installed", allow_module_level=True)
 

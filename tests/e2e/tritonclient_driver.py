@@ -1,8 +1,7 @@
 """Drives a server with tritonclient.grpc, in its own process.
 
-tritonclient registers its own copy of the protocol's messages in protobuf's
-global pool, which clashes with ours; a separate process keeps them apart (as
-it would be for a real user). Usage: tritonclient_driver.py URL WORKDIR, where
+A process with tritonclient only, as a user's program would be (both clients in
+one process: test_clients_together.py). Usage: tritonclient_driver.py URL WORKDIR, where
 WORKDIR holds in_*.npy (fp32) and receives out_*.npy plus report.json.
 """
 

@@ -202,11 +202,11 @@ def test_bad_security_settings_stop_start_up(pki, tmp_path, overrides, message):
         VoxServer(settings)
 
 
-def test_serve_exits_1_with_the_reason(tmp_path):
+def test_serve_exits_2_with_the_reason(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "voxserve", "serve", "--grpc-port", "0", "--metrics-port", "-1",
                            "--device", "cpu", "--auth-token-file", str(tmp_path / "missing")], cwd=REPO,
                           capture_output=True, text=True, timeout=60)
-    assert proc.returncode == 1 and "--auth-token-file" in proc.stderr and "cannot be read" in proc.stderr
+    assert proc.returncode == 2 and "--auth-token-file" in proc.stderr and "cannot be read" in proc.stderr
 
 
 def test_token_comparison_checks_every_byte(tmp_path):

@@ -46,7 +46,7 @@ def _serve(*flags: str) -> subprocess.CompletedProcess:
 
 def _assert_refused(result: subprocess.CompletedProcess, flag: str, port: int) -> None:
     message = f"{flag}: port {port} on 127.0.0.1 is in use"
-    assert result.returncode == 1, result.stdout[-3000:]
+    assert result.returncode == 2, result.stdout[-3000:]  # a user's error (the CLI checks before starting)
     assert sum(message in line for line in result.stdout.splitlines()) == 1, result.stdout[-3000:]
     assert "Traceback" not in result.stdout, result.stdout[-3000:]
 
@@ -106,7 +106,7 @@ def test_supervisor_refuses_a_metrics_port_another_server_holds():
 
 @pytest.mark.parametrize("flag", ["--grpc-port", "--metrics-port"])
 def test_second_server_refuses_the_ports_of_a_running_server(flag):
-    """A single-process server on a port that a running voxserve holds exits 1 with one line naming the flag."""
+    """A single-process server on a port that a running voxserve holds exits 2 with one line naming the flag."""
     with running_server() as srv:
         port = srv.port if flag == "--grpc-port" else srv.server.metrics_port
         ports = {"--grpc-port": "0", "--metrics-port": "-1", flag: str(port)}

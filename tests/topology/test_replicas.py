@@ -223,10 +223,16 @@ def test_statistics_of_replicas_add_up(tmp_path):
     assert a.snapshot().inference_count == 3  # its own figures stay its own
 
 
+# The server without the CLI's checks of its flags (which would refuse the weights before any replica starts).
+SERVE_UNCHECKED = ("import sys; from voxserve.cli import build_parser; from voxserve.server.app import serve; "
+                   "from voxserve.server.settings import from_namespace; "
+                   "sys.exit(serve(from_namespace(build_parser().parse_args(sys.argv[1:]))))")
+
+
 def test_a_replica_that_cannot_start_stops_the_server(tmp_path):
     weights = tmp_path / "bad.safetensors"
     weights.write_bytes(b"not safetensors")
-    proc = subprocess.run([sys.executable, "-m", "voxserve", "serve", "--host", "127.0.0.1", "--grpc-port", "0",
+    proc = subprocess.run([sys.executable, "-c", SERVE_UNCHECKED, "serve", "--host", "127.0.0.1", "--grpc-port", "0",
                            "--metrics-port", "-1", "--device", "cpu", "--replicas", "2", "--weights", str(weights)],
                           cwd=REPO, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 1
