@@ -43,6 +43,10 @@ class TritonUnavailable(RuntimeError):
     """Triton cannot run here; the message says why (the benchmark prints it and skips Triton's rows)."""
 
 
+class TritonStartError(TritonUnavailable):
+    """Triton was found but did not start or become ready; the message ends with its log."""
+
+
 @dataclass
 class TritonPeer:
     url: str  # host:port of Triton's gRPC endpoint
@@ -197,8 +201,36 @@ def triton_server(source: str | None = "auto", *, datatypes: tuple[str, ...] = (
                         if proc.poll() is not None or time.monotonic() > deadline:
                             log.seek(0)
                             why = "exited" if proc.poll() is not None else f"not ready after {ready_timeout_s:.0f} s"
-                            raise TritonUnavailable(f"tritonserver {why}; its log ends:\n{log.read()[-3000:]}")
+                            raise TritonStartError(f"tritonserver {why}; its log ends:\n{log.read()[-3000:]}")
                         time.sleep(0.5)
                 yield peer
             finally:
                 _stop(proc)
+
+
+def pack(wheel: Path, out: Path, python: str) -> None:
+    """A zip of only what the server needs for one Python version (the wheel less pytriton's Python code,
+    the other stubs and the Python 3.13 library that only the 3.13 stub uses), LZMA-compressed: 27 MB instead
+    of 55, so that it travels beside other wheels. ``triton_server`` takes it as it takes the wheel."""
+    keep = ("pytriton/tritonserver/bin/", "pytriton/tritonserver/backends/python/",
+            f"pytriton/tritonserver/python_backend_stubs/{python}/", "nvidia_pytriton.libs/")
+    with zipfile.ZipFile(wheel) as src, zipfile.ZipFile(out, "w", compression=zipfile.ZIP_LZMA) as dst:
+        for info in src.infolist():
+            if info.filename.startswith(keep) and not info.is_dir() and (
+                    python == "3.13" or "/libpython3-" not in info.filename):
+                dst.writestr(info, src.read(info), compress_type=zipfile.ZIP_LZMA)
+
+
+if __name__ == "__main__":
+    import argparse
+
+    parser = argparse.ArgumentParser(description="Pack the server parts of the nvidia-pytriton wheel for one "
+                                     "Python version (to carry it where space is short).")
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("pack", help="write a zip of what tritonserver needs for --python")
+    p.add_argument("wheel", type=Path)
+    p.add_argument("out", type=Path)
+    p.add_argument("--python", default=_python_version(), help="the stub's Python version [default: this one's]")
+    args = parser.parse_args()
+    pack(args.wheel, args.out, args.python)
+    print(f"wrote {args.out} ({args.out.stat().st_size / 1e6:.1f} MB)")
