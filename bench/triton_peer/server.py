@@ -61,10 +61,10 @@ def _python_version() -> str:
 
 
 def _extract(wheel: Path, into: Path) -> Path:
-    """The parts of the wheel the server needs (binary, libraries, Python backend, this Python's stub), with
-    their file modes; returns the folder that holds ``pytriton/`` and ``nvidia_pytriton.libs/``."""
+    """The parts of the wheel the server needs (binary, libraries, Python backend, the stubs), with their file
+    modes; returns the folder that holds ``pytriton/`` and ``nvidia_pytriton.libs/``."""
     keep = ("pytriton/tritonserver/bin/", "pytriton/tritonserver/backends/python/",
-            f"pytriton/tritonserver/python_backend_stubs/{_python_version()}/", "nvidia_pytriton.libs/")
+            "pytriton/tritonserver/python_backend_stubs/", "nvidia_pytriton.libs/")
     try:
         with zipfile.ZipFile(wheel) as zf:
             members = [m for m in zf.infolist() if m.filename.startswith(keep) and not m.is_dir()]
@@ -161,7 +161,7 @@ def triton_server(source: str | None = "auto", *, datatypes: tuple[str, ...] = (
             raise TritonUnavailable(f"{binary} is missing")
         if not stub.is_file():
             have = sorted(p.name for p in (server_dir / "python_backend_stubs").glob("*"))
-            raise TritonUnavailable(f"no Python backend stub for Python {_python_version()} (the wheel has "
+            raise TritonUnavailable(f"no Python backend stub for Python {_python_version()} (there are stubs for "
                                     f"{', '.join(have) or 'none'})")
         # The backend folder Triton loads from: the Python backend with the stub for this Python beside it.
         backend = scratch / "backends" / "python"

@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import sys
+import zipfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -19,10 +20,6 @@ from voxserve.client import Client, SharedMemoryBuffer
 from voxserve.kernels import reference_float64, reference_weights
 from voxserve.server.core.model import relative_error
 
-if importlib.util.find_spec("pytriton") is None:
-    pytest.skip("nvidia-pytriton (in the bench extra: pip install -e '.[bench]') is not installed",
-                allow_module_level=True)
-
 _spec = importlib.util.spec_from_file_location(
     "triton_peer_server", Path(__file__).resolve().parents[2] / "bench" / "triton_peer" / "server.py")
 assert _spec is not None and _spec.loader is not None
@@ -30,9 +27,29 @@ triton_peer = sys.modules[_spec.name] = importlib.util.module_from_spec(_spec)  
 _spec.loader.exec_module(triton_peer)
 
 
+def test_what_is_not_triton_is_refused_with_the_reason(tmp_path):
+    with pytest.raises(triton_peer.TritonUnavailable, match=r"neither the nvidia-pytriton\S* wheel nor a folder"):
+        triton_peer.triton_server(str(tmp_path / "missing.whl")).__enter__()
+    (tmp_path / "empty.whl").write_bytes(b"not a zip")
+    with pytest.raises(triton_peer.TritonUnavailable, match="cannot unpack"):
+        triton_peer.triton_server(str(tmp_path / "empty.whl")).__enter__()
+    with zipfile.ZipFile(tmp_path / "other.whl", "w") as zf:
+        zf.writestr("other/__init__.py", "")
+    with pytest.raises(triton_peer.TritonUnavailable, match="holds no pytriton/tritonserver"):
+        triton_peer.triton_server(str(tmp_path / "other.whl")).__enter__()
+    with zipfile.ZipFile(tmp_path / "nostub.whl", "w") as zf:  # a server, but no stub for this Python
+        zf.writestr("pytriton/tritonserver/bin/tritonserver", "")
+        zf.writestr("pytriton/tritonserver/python_backend_stubs/2.7/triton_python_backend_stub", "")
+    with pytest.raises(triton_peer.TritonUnavailable, match=r"stub for Python 3\.\d+ \(there are stubs for 2\.7\)"):
+        triton_peer.triton_server(str(tmp_path / "nostub.whl")).__enter__()
+
+
 @pytest.fixture(scope="module")
 def triton() -> Iterator:
     """One FP32 model, one instance, on the CPU: the least that exercises the peer."""
+    if importlib.util.find_spec("pytriton") is None:
+        pytest.skip("nvidia-pytriton (in the bench extra; `pip install --no-deps nvidia-pytriton==0.7.0` is "
+                    "enough) is not installed")
     try:
         with triton_peer.triton_server("auto", datatypes=("FP32",), instances=1, device="cpu") as peer:
             yield peer
