@@ -35,7 +35,28 @@ _DTYPE_CODES = {dtype: code for code, dtype in enumerate(SUPPORTED_INPUT_DTYPES)
 _PRECISION_CODES = {"fp32": 0, "tf32": 1}  # ops.PRECISIONS
 
 ENTRY_POINTS = ("voxserve_last_error", "voxserve_is_specialised", "voxserve_workspace_floats", "voxserve_forward",
-                "voxserve_plan", "voxserve_notify", "voxserve_copy_spans")
+                "voxserve_plan", "voxserve_notify", "voxserve_copy_spans", "voxserve_execution_size",
+                "voxserve_events_create", "voxserve_events_destroy", "voxserve_event_query",
+                "voxserve_event_synchronize", "voxserve_elapsed_ms", "voxserve_graph_capture",
+                "voxserve_graph_destroy", "voxserve_execute")
+EVENTS = 5  # per execution: DMA in start and end, kernel start and end, result back
+
+
+class Execution(ctypes.Structure):
+    """fused.cu's VoxExecution: everything one serving execution needs, handed over in one call (execute)."""
+
+    _fields_ = [
+        ("spans", ctypes.c_void_p), ("nspans", ctypes.c_longlong), ("bytes", ctypes.c_longlong),
+        ("padded_bytes", ctypes.c_longlong), ("host_copy_ns", ctypes.c_longlong),
+        ("staging", ctypes.c_void_p), ("dev_in", ctypes.c_void_p), ("graph_exec", ctypes.c_void_p),
+        ("w_dev", ctypes.c_void_p), ("b_dev", ctypes.c_void_p), ("w_host", ctypes.c_void_p),
+        ("b_host", ctypes.c_void_p), ("out", ctypes.c_void_p), ("workspace", ctypes.c_void_p),
+        ("host_out", ctypes.c_void_p), ("out_bytes", ctypes.c_longlong),
+        ("copy_stream", ctypes.c_void_p), ("compute_stream", ctypes.c_void_p),
+        ("events", ctypes.c_void_p * EVENTS), ("sizes", ctypes.c_longlong * 5), ("strides", ctypes.c_longlong * 5),
+        ("dtype", ctypes.c_int), ("cout", ctypes.c_int), ("k", ctypes.c_int), ("variant", ctypes.c_int),
+        ("precision", ctypes.c_int), ("device", ctypes.c_int), ("stage", ctypes.c_int), ("notify_fd", ctypes.c_int),
+    ]
 
 
 class _Library:
@@ -63,6 +84,27 @@ class _Library:
         lib.voxserve_notify.restype = i
         lib.voxserve_copy_spans.argtypes = [p, p, i, p, i]
         lib.voxserve_copy_spans.restype = i
+        lib.voxserve_execution_size.restype = ll
+        if lib.voxserve_execution_size() != ctypes.sizeof(Execution):
+            raise KernelBuildError(f"{path}: its VoxExecution is {lib.voxserve_execution_size()} bytes, "
+                                   f"kernels/cuda.py's mirror {ctypes.sizeof(Execution)}: rebuild the library")
+        lib.voxserve_events_create.argtypes = [i, i, p]
+        lib.voxserve_events_create.restype = i
+        lib.voxserve_events_destroy.argtypes = [i, p]
+        lib.voxserve_events_destroy.restype = None
+        lib.voxserve_event_query.argtypes = [p]
+        lib.voxserve_event_query.restype = i
+        lib.voxserve_event_synchronize.argtypes = [p]
+        lib.voxserve_event_synchronize.restype = i
+        lib.voxserve_elapsed_ms.argtypes = [p, p, ctypes.POINTER(ctypes.c_float)]
+        lib.voxserve_elapsed_ms.restype = i
+        lib.voxserve_graph_capture.argtypes = [p, i, ctypes.POINTER(ll), ctypes.POINTER(ll), i, i, f, f, f, f, f, f, i,
+                                               i, i, p, ctypes.POINTER(ctypes.c_void_p)]
+        lib.voxserve_graph_capture.restype = i
+        lib.voxserve_graph_destroy.argtypes = [p]
+        lib.voxserve_graph_destroy.restype = None
+        lib.voxserve_execute.argtypes = [ctypes.POINTER(Execution)]
+        lib.voxserve_execute.restype = i
         self.lib = lib
         self.path = path
 
@@ -189,6 +231,126 @@ def copy_spans(dst: torch.Tensor, spans: np.ndarray, stream: torch.cuda.Stream) 
     if lib.voxserve_copy_spans(dst.data_ptr(), spans.ctypes.data, len(spans), stream.cuda_stream,
                                stream.device.index or 0) != 0:
         raise RuntimeError(f"voxserve_copy_spans: {lib.voxserve_last_error().decode()}")
+
+
+def _check(rc: int, what: str) -> None:
+    if rc != 0:
+        raise RuntimeError(f"{what}: {library().lib.voxserve_last_error().decode()}")
+
+
+class Event:
+    """A CUDA timing event made by the kernel library (the native pipeline's), with torch.cuda.Event's query,
+    synchronize and elapsed_time."""
+
+    __slots__ = ("handle", "lib")
+
+    def __init__(self, handle: int) -> None:
+        self.handle = handle
+        self.lib = library().lib
+
+    def query(self) -> bool:
+        rc = self.lib.voxserve_event_query(self.handle)
+        if rc == 2:
+            _check(1, "cudaEventQuery")
+        return rc == 0
+
+    def synchronize(self) -> None:
+        _check(self.lib.voxserve_event_synchronize(self.handle), "cudaEventSynchronize")
+
+    def elapsed_time(self, end: Event) -> float:
+        ms = ctypes.c_float()
+        _check(self.lib.voxserve_elapsed_ms(self.handle, end.handle, ctypes.byref(ms)), "cudaEventElapsedTime")
+        return ms.value
+
+
+def create_events(device: int, n: int = EVENTS) -> ctypes.Array:
+    """``n`` timing events on ``device`` (destroy_events gives them back)."""
+    events = (ctypes.c_void_p * n)()
+    _check(library().lib.voxserve_events_create(device, n, events), "cudaEventCreate")
+    return events
+
+
+def destroy_events(events: ctypes.Array) -> None:
+    library().lib.voxserve_events_destroy(len(events), events)
+
+
+class Launcher:
+    """The fused op's fixed arguments for one model on one device: fills an Execution's launch fields and captures
+    the op into CUDA graphs of the library's own (server/core/pipeline.py's native path)."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor, precision: str = "fp32", variant: int = 0) -> None:
+        check_precision(precision)
+        self.lib = library().lib
+        self.device = weight.device
+        self.weight = weight.detach().to(torch.float32).contiguous()
+        self.bias = bias.detach().to(torch.float32).contiguous()
+        self.cout, self.cin, self.k = int(weight.shape[0]), int(weight.shape[1]), int(weight.shape[2])
+        self.specialised = bool(self.lib.voxserve_is_specialised(self.cin, self.cout, self.k))
+        self.precision, self.variant = precision, variant
+        self.w_host = self.b_host = None
+        if self.specialised:
+            self.w_host, self.b_host = _host_weights.get(self.weight, self.bias)
+        self._workspace: dict[tuple, int] = {}
+
+    @property
+    def supported(self) -> bool:
+        """Whether the fused kernel computes this model (beyond 64 channels only the specialised one does)."""
+        return self.specialised or self.cout <= GENERAL_MAX_COUT
+
+    def workspace_floats(self, shape: tuple[int, ...]) -> int:
+        floats = self._workspace.get(shape)
+        if floats is None:
+            floats = self.lib.voxserve_workspace_floats((ctypes.c_longlong * 5)(*shape), self.cout, self.k)
+            if floats < 0:
+                raise ValueError(f"shape {shape} is invalid for kernel size {self.k}")
+            self._workspace[shape] = floats
+        return floats
+
+    def fill(self, ex: Execution) -> None:
+        """Set ``ex``'s launch fields that never change for this model."""
+        ex.w_dev, ex.b_dev = self.weight.data_ptr(), self.bias.data_ptr()
+        ex.w_host = self.w_host.data_ptr() if self.w_host is not None else None
+        ex.b_host = self.b_host.data_ptr() if self.b_host is not None else None
+        ex.cout, ex.k, ex.variant = self.cout, self.k, self.variant
+        ex.precision, ex.device = _PRECISION_CODES[self.precision], self.device.index or 0
+
+    def capture(self, x: int, shape: tuple[int, ...], dtype: torch.dtype, out: torch.Tensor, workspace: torch.Tensor,
+                stream: torch.cuda.Stream) -> int:
+        """A graph of the op on the contiguous ``shape`` input at device address ``x`` into ``out`` (its handle;
+        destroy_graph frees it). It waits for ``stream``, once."""
+        sizes = (ctypes.c_longlong * 5)(*shape)
+        strides = (ctypes.c_longlong * 5)(*contiguous_strides(shape))
+        handle = ctypes.c_void_p()
+        _check(self.lib.voxserve_graph_capture(
+            x, _DTYPE_CODES[dtype], sizes, strides, self.cout, self.k, self.weight.data_ptr(), self.bias.data_ptr(),
+            self.w_host.data_ptr() if self.w_host is not None else None,
+            self.b_host.data_ptr() if self.b_host is not None else None, out.data_ptr(), workspace.data_ptr(),
+            self.variant, _PRECISION_CODES[self.precision], self.device.index or 0, stream.cuda_stream,
+            ctypes.byref(handle)), "voxserve_graph_capture")
+        return int(handle.value or 0)
+
+
+def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    strides, step = [], 1
+    for dim in reversed(shape):
+        strides.append(step)
+        step *= dim
+    return tuple(reversed(strides))
+
+
+def destroy_graph(handle: int) -> None:
+    library().lib.voxserve_graph_destroy(handle)
+
+
+def execute(ex: Execution) -> None:
+    """Enqueue the execution ``ex`` describes (fused.cu: voxserve_execute)."""
+    lib = _library.lib if _library is not None else library().lib
+    if lib.voxserve_execute(ctypes.byref(ex)) != 0:
+        _check(1, "voxserve_execute")
+
+
+def dtype_code(dtype: torch.dtype) -> int:
+    return _DTYPE_CODES[dtype]
 
 
 PLAN_FIELDS = ("kernel", "threads", "rows", "tiles_h", "tiles_w", "chunks", "blocks_per_sample", "terms")

@@ -10,7 +10,7 @@ import os
 import signal
 from typing import TYPE_CHECKING
 
-from . import logs
+from . import eventloop, logs
 from .core.errors import StartupError
 from .core.heap import freeze_startup_objects
 from .metrics import Metrics, latency_buckets
@@ -91,10 +91,10 @@ class VoxServer:
             self.metrics_port = self.metrics.serve_http(s.host, s.metrics_port)
         await self._set_serving(False)
         await self.grpc.start()
-        log.info("listening: gRPC%s %s:%d%s, metrics %s", " (mutual TLS)" if s.tls_client_ca else
+        log.info("listening: gRPC%s %s:%d%s, metrics %s (%s event loop)", " (mutual TLS)" if s.tls_client_ca else
                  " (TLS)" if self.grpc.secure else "", s.host, self.port,
                  ", bearer token required" if s.auth_token_file else "",
-                 f"{s.host}:{self.metrics_port}" if self.metrics_port >= 0 else "off")
+                 f"{s.host}:{self.metrics_port}" if self.metrics_port >= 0 else "off", eventloop.running())
         self._load_task = asyncio.create_task(self._load())
         if self.role.supervised:
             # With --replicas/--frontends: this process's statistics for the others' ModelStatistics.
@@ -227,4 +227,4 @@ def serve(settings: Settings) -> int:
             return 1
         return await server.run()
 
-    return asyncio.run(main())
+    return eventloop.run(main(), settings.event_loop)

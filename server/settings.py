@@ -134,6 +134,11 @@ class Settings:
         30.0,
         "on SIGTERM/SIGINT: how long in-flight requests may take to finish before the server exits",
         check=(lambda v: v >= 0, "must be >= 0"))
+    event_loop: str = option(
+        "asyncio",
+        "event loop of the server's processes: asyncio (the standard one), uvloop (pip install uvloop), or auto "
+        "(uvloop when installed)",
+        check=(lambda v: v in ("auto", "uvloop", "asyncio"), "must be auto, uvloop or asyncio"))
     log_level: str = option(
         "INFO",
         "DEBUG, INFO, WARNING or ERROR",

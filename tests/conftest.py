@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from voxserve.server import eventloop
 from voxserve.server.app import VoxServer
 from voxserve.server.settings import Settings
 
@@ -26,7 +27,7 @@ class ServerThread:
 
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
-        self.loop = asyncio.new_event_loop()
+        self.loop = eventloop.loop_factory(settings.event_loop)()  # the loop `voxserve serve` would run
         self._thread = threading.Thread(target=self.loop.run_forever, name="voxserve-test-loop", daemon=True)
         self._thread.start()
         self.server: VoxServer = self.call(self._make())

@@ -38,6 +38,8 @@
 
 #include <cstdint>
 #include <cstdio>
+#include <cstring>
+#include <ctime>
 #include <cstdlib>
 #include <cstring>
 #include <algorithm>
@@ -1575,6 +1577,196 @@ int voxserve_copy_spans(void* dst, const long long* spans, int n, void* stream_h
     if (err != cudaSuccess) return fail("cudaMemcpyAsync failed: %s", cudaGetErrorString(err));
     out += bytes;
     i = j;
+  }
+  return 0;
+}
+
+}  // extern "C"
+
+// ---------------------------------------------------------------------------
+// One serving execution with one call (server/core/pipeline.py, native path): the host gather, the DMA, the
+// kernel (or a captured graph of it), the result's DMA back, the timing events and the completion wake-up,
+// enqueued without a Python call per step. The layout is mirrored by kernels/cuda.py (Execution).
+// (at namespace scope: an extern "C" function taking a type of an unnamed namespace would not be exported)
+struct VoxExecution {
+  const long long* spans;  // nspans (address, bytes) pairs: the batch's request bytes, in order
+  long long nspans;
+  long long bytes;         // their total
+  long long padded_bytes;  // the batch padded to its graph bucket with zero samples (>= bytes)
+  long long host_copy_ns;  // out: the host gather's time (stage 1)
+  void* staging;           // page-locked host memory of the slot (stages 1 and 2)
+  void* dev_in;            // device memory of the slot: the (padded) batch
+  void* graph_exec;        // a cudaGraphExec_t of voxserve_graph_capture over dev_in, or NULL: launch directly
+  const float* w_dev;      // the direct launch's arguments, as voxserve_forward's
+  const float* b_dev;
+  const float* w_host;
+  const float* b_host;
+  float* out;              // the (padded N, Cout) result on the device (the graph's output buffer with a graph)
+  float* workspace;
+  float* host_out;         // page-locked destination of the first out_bytes of `out`
+  long long out_bytes;
+  void* copy_stream;
+  void* compute_stream;
+  void* events[5];         // h2d start, h2d end, compute start, compute end, result back (timing events)
+  long long sizes[5];      // the padded batch's shape and strides
+  long long strides[5];
+  int dtype, cout, k, variant, precision, device;
+  int stage;               // 0: DMA each span (page-locked sources); 1: gather them into staging, then one DMA;
+                           // 2: staging already holds them (a multi-threaded copy by the caller), one DMA
+  int notify_fd;           // >= 0: written once the execution has finished (voxserve_notify)
+};
+
+namespace {
+
+long long now_ns() {
+  timespec t;
+  clock_gettime(CLOCK_MONOTONIC, &t);
+  return (long long)t.tv_sec * 1000000000LL + t.tv_nsec;
+}
+
+int cuda_fail(const char* what, cudaError_t err) {
+  snprintf(g_error, sizeof g_error, "%s failed: %s", what, cudaGetErrorString(err));
+  return 1;
+}
+
+#define VOX_CUDA(what, call)                        \
+  do {                                              \
+    const cudaError_t vox_err_ = (call);            \
+    if (vox_err_ != cudaSuccess) return cuda_fail(what, vox_err_); \
+  } while (0)
+
+}  // namespace
+
+extern "C" {
+
+// sizeof(VoxExecution): the Python mirror checks its own layout against it.
+long long voxserve_execution_size() { return (long long)sizeof(VoxExecution); }
+
+// `n` timing events on `device` into events[0..n-1]. Returns 0, or 1 with voxserve_last_error().
+int voxserve_events_create(int device, int n, void** events) {
+  g_error[0] = '\0';
+  VOX_CUDA("cudaSetDevice", cudaSetDevice(device));
+  for (int i = 0; i < n; ++i) {
+    cudaEvent_t e;
+    VOX_CUDA("cudaEventCreate", cudaEventCreate(&e));
+    events[i] = e;
+  }
+  return 0;
+}
+
+void voxserve_events_destroy(int n, void** events) {
+  for (int i = 0; i < n; ++i) {
+    if (events[i] != nullptr) cudaEventDestroy(static_cast<cudaEvent_t>(events[i]));
+    events[i] = nullptr;
+  }
+}
+
+// 0: the event has completed; 1: not yet; 2: the device failed (voxserve_last_error() says how).
+int voxserve_event_query(void* event) {
+  g_error[0] = '\0';
+  const cudaError_t err = cudaEventQuery(static_cast<cudaEvent_t>(event));
+  if (err == cudaSuccess) return 0;
+  if (err == cudaErrorNotReady) return 1;
+  cuda_fail("cudaEventQuery", err);
+  return 2;
+}
+
+// Block until the event has completed. Returns 0, or 1 with voxserve_last_error().
+int voxserve_event_synchronize(void* event) {
+  g_error[0] = '\0';
+  VOX_CUDA("cudaEventSynchronize", cudaEventSynchronize(static_cast<cudaEvent_t>(event)));
+  return 0;
+}
+
+// *ms: the time from event `start` to event `end` (both completed), in milliseconds. Returns 0, or 1.
+int voxserve_elapsed_ms(void* start, void* end, float* ms) {
+  g_error[0] = '\0';
+  VOX_CUDA("cudaEventElapsedTime", cudaEventElapsedTime(ms, static_cast<cudaEvent_t>(start),
+                                                        static_cast<cudaEvent_t>(end)));
+  return 0;
+}
+
+// Capture voxserve_forward with these arguments into a graph (*graph_exec) on `stream` (not the legacy default
+// stream). The call is run once on the stream first and waited for, so that nothing is loaded lazily during the
+// capture. Returns 0, or 1 with voxserve_last_error().
+int voxserve_graph_capture(const void* x, int dtype, const long long* sizes, const long long* strides, int cout, int k,
+                           const float* w_dev, const float* b_dev, const float* w_host, const float* b_host,
+                           float* out, float* workspace, int variant, int precision, int device, void* stream_handle,
+                           void** graph_exec) {
+  cudaStream_t stream = static_cast<cudaStream_t>(stream_handle);
+  if (voxserve_forward(x, dtype, sizes, strides, cout, k, w_dev, b_dev, w_host, b_host, out, workspace, variant,
+                       precision, device, stream) != 0) {
+    return 1;
+  }
+  VOX_CUDA("cudaStreamSynchronize", cudaStreamSynchronize(stream));
+  VOX_CUDA("cudaStreamBeginCapture", cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+  const int rc = voxserve_forward(x, dtype, sizes, strides, cout, k, w_dev, b_dev, w_host, b_host, out, workspace,
+                                  variant, precision, device, stream);
+  cudaGraph_t graph = nullptr;
+  const cudaError_t end = cudaStreamEndCapture(stream, &graph);  // ended whatever happened, so the stream is usable
+  if (rc != 0) {
+    if (graph != nullptr) cudaGraphDestroy(graph);
+    return 1;
+  }
+  if (end != cudaSuccess) return cuda_fail("cudaStreamEndCapture", end);
+  cudaGraphExec_t exec = nullptr;
+  const cudaError_t inst = cudaGraphInstantiate(&exec, graph, 0);
+  cudaGraphDestroy(graph);
+  if (inst != cudaSuccess) return cuda_fail("cudaGraphInstantiate", inst);
+  *graph_exec = exec;
+  return 0;
+}
+
+void voxserve_graph_destroy(void* graph_exec) {
+  if (graph_exec != nullptr) cudaGraphExecDestroy(static_cast<cudaGraphExec_t>(graph_exec));
+}
+
+// Enqueue one execution (see VoxExecution). The host gather (stage 1) runs here, in the calling thread; the rest
+// is enqueued without waiting. Returns 0, or 1 with voxserve_last_error() (nothing more of it is enqueued).
+int voxserve_execute(VoxExecution* e) {
+  g_error[0] = '\0';
+  VOX_CUDA("cudaSetDevice", cudaSetDevice(e->device));
+  cudaStream_t copy = static_cast<cudaStream_t>(e->copy_stream);
+  cudaStream_t compute = static_cast<cudaStream_t>(e->compute_stream);
+  cudaEvent_t* ev = reinterpret_cast<cudaEvent_t*>(e->events);
+  char* dev_in = static_cast<char*>(e->dev_in);
+  e->host_copy_ns = 0;
+  if (e->stage == 1) {
+    const long long t0 = now_ns();
+    char* dst = static_cast<char*>(e->staging);
+    for (long long i = 0; i < e->nspans; ++i) {
+      memcpy(dst, reinterpret_cast<const void*>(e->spans[2 * i]), static_cast<size_t>(e->spans[2 * i + 1]));
+      dst += e->spans[2 * i + 1];
+    }
+    e->host_copy_ns = now_ns() - t0;
+  }
+  VOX_CUDA("cudaEventRecord", cudaEventRecord(ev[0], copy));
+  if (e->stage == 0) {
+    if (voxserve_copy_spans(dev_in, e->spans, static_cast<int>(e->nspans), copy, e->device) != 0) return 1;
+  } else {
+    VOX_CUDA("cudaMemcpyAsync", cudaMemcpyAsync(dev_in, e->staging, static_cast<size_t>(e->bytes),
+                                                cudaMemcpyHostToDevice, copy));
+  }
+  if (e->padded_bytes > e->bytes) {
+    VOX_CUDA("cudaMemsetAsync", cudaMemsetAsync(dev_in + e->bytes, 0,
+                                                static_cast<size_t>(e->padded_bytes - e->bytes), copy));
+  }
+  VOX_CUDA("cudaEventRecord", cudaEventRecord(ev[1], copy));
+  VOX_CUDA("cudaStreamWaitEvent", cudaStreamWaitEvent(compute, ev[1], 0));
+  VOX_CUDA("cudaEventRecord", cudaEventRecord(ev[2], compute));
+  if (e->graph_exec != nullptr) {
+    VOX_CUDA("cudaGraphLaunch", cudaGraphLaunch(static_cast<cudaGraphExec_t>(e->graph_exec), compute));
+  } else if (voxserve_forward(dev_in, e->dtype, e->sizes, e->strides, e->cout, e->k, e->w_dev, e->b_dev, e->w_host,
+                              e->b_host, e->out, e->workspace, e->variant, e->precision, e->device, compute) != 0) {
+    return 1;
+  }
+  VOX_CUDA("cudaEventRecord", cudaEventRecord(ev[3], compute));
+  VOX_CUDA("cudaMemcpyAsync", cudaMemcpyAsync(e->host_out, e->out, static_cast<size_t>(e->out_bytes),
+                                              cudaMemcpyDeviceToHost, compute));
+  VOX_CUDA("cudaEventRecord", cudaEventRecord(ev[4], compute));
+  if (e->notify_fd >= 0) {
+    VOX_CUDA("cudaLaunchHostFunc", cudaLaunchHostFunc(compute, write_event,
+                                                      reinterpret_cast<void*>(static_cast<intptr_t>(e->notify_fd))));
   }
   return 0;
 }

@@ -127,7 +127,9 @@ class Model:
         if device.type == "cuda":
             from .pipeline import CudaPipeline
 
-            self.pipeline = CudaPipeline(device, self.cout, self.compute, self.graphs)
+            # The fused op's launcher: the pipeline enqueues each execution with one library call (its native path).
+            launcher = cuda_kernels.Launcher(self.weight_on_device, self.bias_on_device, self.precision)
+            self.pipeline = CudaPipeline(device, self.cout, self.compute, self.graphs, native=launcher)
 
     @property
     def cin(self) -> int:

@@ -20,6 +20,11 @@ buffers, see ``pinned_buffer``; a front end's arena, which the engine of --front
 when every request of the batch is: the DMAs read them in place.
 
 Every time in the returned ExecutionTimes comes from CUDA events, except the host copy's.
+
+With the fused op (``native``: its kernels.cuda.Launcher), an execution is enqueued by one call into the kernel
+library (fused.cu: voxserve_execute), which does every step above without a Python call per step, and replays
+CUDA graphs of the library's own, one per (bucket, sample shape, datatype) and slot, captured over the slot's
+input buffer. The torch calls remain for a model the fused kernel does not compute.
 """
 
 from __future__ import annotations
@@ -50,6 +55,9 @@ GRAPH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 
 # Host copies from this size on use torch's multi-threaded copy; smaller ones a single memcpy.
 PARALLEL_COPY_BYTES = 4 * 1024 * 1024
+
+# The native path counts the runs of graph-sized shapes not yet captured up to this many shapes (then afresh).
+MAX_SEEN_SHAPES = 4096
 
 
 # Long-lived page-locked host ranges, (start, end) sorted by start, replaced whole on a change (readers on
@@ -96,21 +104,49 @@ class _Slot:
     instead of five new CUDA events per execution: in a py-spy profile of two runners on two GPUs, event
     creation + record were ~17 % of the submit threads' samples."""
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, native: fused_cuda.Launcher | None = None) -> None:
         self.device = device
         self.host = torch.empty(0, dtype=torch.uint8)
         self.dev = torch.empty(0, dtype=torch.uint8, device=device)
         self.out = torch.empty(0, dtype=torch.float32)
-        with torch.cuda.device(device):
-            self.events = tuple(torch.cuda.Event(enable_timing=True) for _ in range(5))
+        self.native = native
+        if native is None:
+            with torch.cuda.device(device):
+                self.events: tuple = tuple(torch.cuda.Event(enable_timing=True) for _ in range(5))
+            return
+        # The native path: the library's own events, an Execution filled once, graphs over this slot's input.
+        self.native_events = fused_cuda.create_events(device.index or 0)
+        self.events = tuple(fused_cuda.Event(h) for h in self.native_events)
+        self.execution = fused_cuda.Execution()
+        native.fill(self.execution)
+        self.execution.events[:] = list(self.native_events)
+        # key -> (graph, out, workspace), least recently used first
+        self.graphs: collections.OrderedDict[tuple, tuple[int, torch.Tensor, torch.Tensor]] = collections.OrderedDict()
+        self.direct_out = torch.empty(0, dtype=torch.float32, device=device)
+        self.workspace = torch.empty(0, dtype=torch.float32, device=device)
 
     def reserve(self, nbytes: int, out_floats: int) -> None:
         if self.host.numel() < nbytes:
             size = _round_up(nbytes)
             self.host = torch.empty(size, dtype=torch.uint8, pin_memory=True)
             self.dev = torch.empty(size, dtype=torch.uint8, device=self.device)
+            if self.native is not None:
+                self.drop_graphs()  # they read the input buffer just replaced
         if self.out.numel() < out_floats:
             self.out = torch.empty(max(out_floats, 4096), dtype=torch.float32, pin_memory=True)
+
+    def drop_graphs(self) -> None:
+        """Free the slot's graphs (the slot is idle: none of them is running)."""
+        if self.native is not None:
+            for graph, _, _ in self.graphs.values():
+                fused_cuda.destroy_graph(graph)
+            self.graphs.clear()
+
+    def close(self) -> None:
+        """Free what the library made for this slot (the slot is idle)."""
+        if self.native is not None:
+            self.drop_graphs()
+            fused_cuda.destroy_events(self.native_events)
 
 
 @dataclass
@@ -121,7 +157,8 @@ class Pending:
     samples: int
     cout: int
     host_copy_ns: int
-    events: tuple[torch.cuda.Event, ...]  # h2d start, h2d end, compute start, compute end, d2h end
+    # h2d start, h2d end, compute start, compute end, d2h end: torch.cuda.Event, or kernels.cuda.Event (native path)
+    events: tuple
     source: list[np.ndarray] | None = None  # page-locked request arrays the DMA reads in place: alive until done
     released: bool = False  # its slot is back in the free list
 
@@ -132,17 +169,25 @@ class CudaPipeline:
     batches, padded to their buckets (None: none)."""
 
     def __init__(self, device: torch.device, cout: int, compute: Callable[[torch.Tensor], torch.Tensor],
-                 graphs: GraphCache | None = None, depth: int = 3) -> None:
+                 graphs: GraphCache | None = None, depth: int = 3, native: fused_cuda.Launcher | None = None) -> None:
         self.device = device
         self.cout = cout
         self.compute = compute
         self.graphs = graphs
+        # native: the fused op's launcher, with which an execution is enqueued by one library call (_submit_native)
+        self.native = native if native is not None and native.supported else None
         self.copy_stream = torch.cuda.Stream(self.device)
         self.compute_stream = torch.cuda.Stream(self.device)
         self._free: queue.Queue[_Slot] = queue.Queue()
         for _ in range(depth):
-            self._free.put(_Slot(self.device))
+            self._free.put(_Slot(self.device, self.native))
         self.depth = depth
+        if self.native is not None:
+            self._capture_stream = torch.cuda.Stream(self.device)
+            self._graph_max_bytes = graphs.max_input_bytes if graphs is not None else 0
+            self._max_graphs = graphs.max_graphs if graphs is not None else 0  # per slot
+            self._seen: collections.Counter[tuple] = collections.Counter()  # graph keys run directly so far
+            self.native_executions = 0  # executions enqueued by the native path, ever (tests read it)
         # Written (by a CUDA host function) when an execution submitted with notify=True finishes. Open for the
         # pipeline's life: a host function still queued must never write into a descriptor number reused since.
         self.completion_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
@@ -181,6 +226,8 @@ class CudaPipeline:
         Blocks while all ``depth`` slots are in flight; with ``wait_for_slot=False`` returns None instead. With
         ``max_host_copy``, returns None (nothing enqueued) when the batch would copy more bytes than that on
         the host (page-locked sources copy none)."""
+        if self.native is not None:
+            return self._submit_native(arrays, datatype, wait_for_slot, notify, max_host_copy)
         samples = sum(int(a.shape[0]) for a in arrays)
         nbytes = sum(a.nbytes for a in arrays)
         # Sources already in page-locked memory (shared-memory inputs; a front end's arena, which the engine
@@ -241,6 +288,101 @@ class CudaPipeline:
             raise
         return Pending(slot, samples, cout, host_copy_ns, events, arrays if direct is not None else None)
 
+    def _submit_native(self, arrays: list[np.ndarray], datatype: str, wait_for_slot: bool, notify: bool,
+                       max_host_copy: int | None) -> Pending | None:
+        """``submit`` with one library call (fused.cu: voxserve_execute) doing what the torch path does in a dozen:
+        the gather into staging (or the DMA straight from page-locked sources), the padding, the kernel or its
+        graph, the result's copy back, the events and the wake-up. Graphs are the library's own, one per (bucket,
+        sample shape, datatype) and slot, captured over the slot's input buffer: no staging copy into a graph's
+        input either."""
+        assert self.native is not None
+        arrays = [a if a.flags.c_contiguous else np.ascontiguousarray(a) for a in arrays]
+        samples = sum(int(a.shape[0]) for a in arrays)
+        nbytes = sum(a.nbytes for a in arrays)
+        spans = self._page_locked_spans(arrays)
+        locked = spans is not None
+        if spans is None:
+            spans = np.array([(a.__array_interface__["data"][0], a.nbytes) for a in arrays], dtype=np.int64)
+        if not locked and max_host_copy is not None and nbytes > max_host_copy:
+            return None
+        sample_bytes = nbytes // samples
+        padded = graph_bucket(samples, sample_bytes, self._graph_max_bytes) if self._graph_max_bytes else samples
+        padded_bytes = sample_bytes * padded
+        shape = (padded, *arrays[0].shape[1:])
+        cout = self.cout
+        try:
+            slot = self._free.get(block=wait_for_slot)
+        except queue.Empty:
+            return None
+        try:
+            slot.reserve(padded_bytes, padded * cout)
+            ex = slot.execution
+            host_copy_ns = 0
+            if locked:
+                ex.stage = 0
+            elif max(a.nbytes for a in arrays) >= PARALLEL_COPY_BYTES:  # torch's copy is multi-threaded
+                t0 = time.perf_counter_ns()
+                offset = 0
+                for src in self._sources(arrays):
+                    slot.host[offset : offset + src.numel()].copy_(src)
+                    offset += src.numel()
+                host_copy_ns = time.perf_counter_ns() - t0
+                ex.stage = 2
+            else:
+                ex.stage = 1  # a memcpy per request, in the library call
+            dtype = TORCH_DTYPES[datatype]
+            key = (shape, datatype)
+            graph = slot.graphs.get(key)
+            if graph is not None:
+                slot.graphs.move_to_end(key)
+            elif padded_bytes <= self._graph_max_bytes:
+                if len(self._seen) >= MAX_SEEN_SHAPES:  # many one-off shapes: start counting afresh
+                    self._seen.clear()
+                self._seen[key] += 1
+                if self._seen[key] >= 2:  # a shape that recurs: capture it for this slot
+                    graph = self._capture(slot, key, shape, dtype)
+            if graph is not None:
+                ex.graph_exec, ex.out = graph[0], graph[1].data_ptr()
+            else:
+                floats = self.native.workspace_floats(shape)
+                if slot.workspace.numel() < floats:
+                    slot.workspace = torch.empty(_round_up(floats), dtype=torch.float32, device=self.device)
+                if slot.direct_out.numel() < padded * cout:
+                    slot.direct_out = torch.empty(max(padded * cout, 4096), dtype=torch.float32, device=self.device)
+                ex.graph_exec, ex.out, ex.workspace = None, slot.direct_out.data_ptr(), slot.workspace.data_ptr()
+                ex.sizes[:] = shape
+                ex.strides[:] = fused_cuda.contiguous_strides(shape)
+                ex.dtype = fused_cuda.dtype_code(dtype)
+            ex.spans, ex.nspans, ex.bytes, ex.padded_bytes = spans.ctypes.data, len(spans), nbytes, padded_bytes
+            ex.staging, ex.dev_in = slot.host.data_ptr(), slot.dev.data_ptr()
+            ex.host_out, ex.out_bytes = slot.out.data_ptr(), samples * cout * 4
+            ex.copy_stream, ex.compute_stream = self.copy_stream.cuda_stream, self.compute_stream.cuda_stream
+            ex.notify_fd = self.completion_fd if notify else -1
+            fused_cuda.execute(ex)
+            if ex.stage == 1:
+                host_copy_ns = ex.host_copy_ns
+            with self._lock:
+                if locked:
+                    self.direct_bytes += nbytes
+                else:
+                    self.staged_bytes += nbytes
+                self.native_executions += 1
+        except BaseException:
+            self._free.put(slot)
+            raise
+        return Pending(slot, samples, cout, host_copy_ns, slot.events, arrays if locked else None)
+
+    def _capture(self, slot: _Slot, key: tuple, shape: tuple[int, ...], dtype: torch.dtype) -> tuple:
+        """A graph of the op over ``slot``'s input buffer for ``shape``, kept in the slot under ``key``."""
+        assert self.native is not None
+        out = torch.empty(shape[0] * self.cout, dtype=torch.float32, device=self.device)
+        workspace = torch.empty(self.native.workspace_floats(shape), dtype=torch.float32, device=self.device)
+        handle = self.native.capture(slot.dev.data_ptr(), shape, dtype, out, workspace, self._capture_stream)
+        slot.graphs[key] = (handle, out, workspace)
+        while len(slot.graphs) > self._max_graphs:  # bounded, whatever shapes clients send
+            fused_cuda.destroy_graph(slot.graphs.popitem(last=False)[1][0])
+        return slot.graphs[key]
+
     def wait(self, pending: Pending) -> tuple[np.ndarray, int, int, int]:
         """Block until ``pending`` finished; (output (N, Cout) float32, input ns, compute ns, output ns)."""
         try:
@@ -276,10 +418,12 @@ class CudaPipeline:
             stream.synchronize()
         drained = 0
         while not self._free.empty():  # slots in flight come back through finish() and keep their memory
-            self._free.get_nowait()
+            old = self._free.get_nowait()
+            with contextlib.suppress(Exception):  # a failed context may refuse to free anything
+                old.close()
             drained += 1
         for _ in range(drained):
-            self._free.put(_Slot(self.device))
+            self._free.put(_Slot(self.device, self.native))
 
 
 class CompletionWatcher:

@@ -28,7 +28,7 @@ import numpy as np
 
 from voxserve.datatypes import INPUT_DATATYPES, ITEMSIZE, WIRE_DTYPE
 
-from .. import logs
+from .. import eventloop, logs
 from ..core import pipeline
 from ..core.batching import BatchingConfig, BatchResult
 from ..core.errors import ServingError, Status, internal, runner_error
@@ -262,4 +262,4 @@ def run_engine(settings: Settings, socket_path: str, index: int, stats_dir: str 
             loop.add_signal_handler(sig, stop.set)
         return await engine.serve(stop)
 
-    return asyncio.run(main())
+    return eventloop.run(main(), settings.event_loop)

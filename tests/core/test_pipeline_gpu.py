@@ -17,6 +17,7 @@ from voxserve.client import Client, InferenceError
 from voxserve.kernels import reference_float64
 from voxserve.server.core.batching import BatchingConfig
 from voxserve.server.core.model import Model, relative_error, wire_to_tensor
+from voxserve.server.core.pipeline import CudaPipeline
 from voxserve.server.core.runner import Runner
 from voxserve.server.core.stats import ModelStats
 from voxserve.server.core.weights import default_weights
@@ -28,8 +29,16 @@ FP32_TOL = 1e-5
 WIRE = {"FP32": np.float32, "FP16": np.float16}
 
 
-def _model(device: str = "cuda:0", max_batch: int = 128) -> Model:
-    return Model(default_weights(), torch.device(device), "fused-cuda", max_batch)
+def _model(device: str = "cuda:0", max_batch: int = 128, native: bool = True, weights=None) -> Model:
+    """A model on the GPU; native=False: its pipeline enqueues with torch calls instead of the library's one call."""
+    model = Model(weights or default_weights(), torch.device(device), "fused-cuda", max_batch)
+    assert model.pipeline is not None and model.pipeline.native is not None  # the serving default
+    if not native:
+        model.pipeline = CudaPipeline(model.device, model.cout, model.compute, model.graphs)
+    return model
+
+
+PATHS = [pytest.param(True, id="native"), pytest.param(False, id="torch")]
 
 
 def _wire(x: np.ndarray, datatype: str) -> np.ndarray:
@@ -54,23 +63,75 @@ def _run_and_check(runner: Runner, inputs: list[np.ndarray], model: Model) -> No
         assert relative_error(torch.from_numpy(np.ascontiguousarray(r.output)), _ref(x, "FP32", model)) <= FP32_TOL
 
 
+@pytest.mark.parametrize("native", PATHS)
 @pytest.mark.parametrize("datatype", ["FP32", "FP16", "BF16"])
-def test_staged_execution_matches_float64_with_one_host_copy(datatype):
-    model = _model()
+def test_staged_execution_matches_float64_with_one_host_copy(datatype, native):
+    model = _model(native=native)
     rng = np.random.default_rng()
-    arrays = [_wire(rng.standard_normal((n, 3, 9, 12, 10), dtype=np.float32), datatype) for n in (1, 3, 2)]
-    before = model.pipeline.staged_bytes
-    y, times = model.run_arrays(arrays, datatype)
-    assert model.pipeline.staged_bytes - before == sum(a.nbytes for a in arrays)  # copy 1, and only that
-    ref = _ref(np.concatenate(arrays), datatype, model)
-    assert relative_error(torch.from_numpy(y), ref) <= FP32_TOL
-    assert times.infer_ns > 0 and times.input_ns > 0 and times.output_ns >= 0
+    # Twice the same shapes: the second run of a padded bucket replays a graph (native: the library's own).
+    for _ in range(3):
+        arrays = [_wire(rng.standard_normal((n, 3, 9, 12, 10), dtype=np.float32), datatype) for n in (1, 3, 2)]
+        before = model.pipeline.staged_bytes
+        y, times = model.run_arrays(arrays, datatype)
+        assert model.pipeline.staged_bytes - before == sum(a.nbytes for a in arrays)  # copy 1, and only that
+        ref = _ref(np.concatenate(arrays), datatype, model)
+        assert relative_error(torch.from_numpy(y), ref) <= FP32_TOL
+        assert times.infer_ns > 0 and times.input_ns > 0 and times.output_ns >= 0
+    if native:
+        assert model.pipeline.native_executions == 3
 
 
-def test_pinned_request_buffer_goes_to_the_gpu_without_a_host_copy():
+def test_native_path_serves_other_model_shapes_and_large_batches():
+    """The general kernel (another Cin, Cout, k) and batches beyond the graph sizes, through the library's one
+    call: direct launches, graphs, and sources large enough for torch's multi-threaded staging copy."""
+    from voxserve.server.core.weights import Weights
+
+    g = torch.Generator().manual_seed(torch.seed())
+    weights = Weights(torch.randn((8, 2, 2, 2, 2), generator=g) * 0.3, torch.randn(8, generator=g) * 0.1, "random")
+    model = _model(weights=weights)
+    rng = np.random.default_rng()
+    for n in (1, 1, 1, 5, 5):
+        x = rng.standard_normal((n, 2, 6, 7, 9), dtype=np.float32)
+        y, _ = model.run_arrays([x], "FP32")
+        assert relative_error(torch.from_numpy(y), _ref(x, "FP32", model)) <= FP32_TOL
+    big = _model()
+    x = rng.standard_normal((96, 3, 16, 32, 32), dtype=np.float32)  # 18.9 MB: past the graph and the memcpy sizes
+    for _ in range(2):
+        y, times = big.run_arrays([x[:40], x[40:]], "FP32")
+        assert relative_error(torch.from_numpy(y), _ref(x, "FP32", big)) <= FP32_TOL
+        assert times.input_ns > 0 and times.infer_ns > 0
+    assert model.pipeline.native_executions == 5 and big.pipeline.native_executions == 2
+
+
+def test_native_graphs_stay_bounded_whatever_shapes_recur():
+    model = _model()
+    pipeline = model.pipeline
+    pipeline._max_graphs = 2
+    rng = np.random.default_rng()
+    for d in (5, 6, 7, 8) * 3:  # four shapes, each recurring: more than a slot keeps
+        x = rng.standard_normal((1, 3, d, 9, 12), dtype=np.float32)
+        y, _ = model.run_arrays([x], "FP32")
+        assert relative_error(torch.from_numpy(y), _ref(x, "FP32", model)) <= FP32_TOL
+    counts = [len(slot.graphs) for slot in pipeline._free.queue]
+    assert max(counts) <= 2 and sum(counts) >= 1, counts
+
+
+def test_a_model_the_fused_kernel_cannot_run_keeps_the_torch_path():
+    from voxserve.server.core.weights import Weights
+
+    weights = Weights(torch.randn((72, 3, 3, 3, 3)) * 0.1, torch.zeros(72), "random")  # Cout 72: not fused
+    model = Model(weights, torch.device("cuda:0"), "fused-cuda", 8)
+    assert model.pipeline is not None and model.pipeline.native is None
+    x = np.random.default_rng().standard_normal((2, 3, 5, 6, 7), dtype=np.float32)
+    y, _ = model.run_arrays([x], "FP32")
+    assert relative_error(torch.from_numpy(y), _ref(x, "FP32", model)) <= FP32_TOL
+
+
+@pytest.mark.parametrize("native", PATHS)
+def test_pinned_request_buffer_goes_to_the_gpu_without_a_host_copy(native):
     from voxserve.server.core.pipeline import pinned_buffer
 
-    model = _model()
+    model = _model(native=native)
     rng = np.random.default_rng()
     x = rng.standard_normal((4, 3, 16, 32, 32), dtype=np.float32)
     pinned = np.frombuffer(pinned_buffer(x.nbytes), dtype=np.float32).reshape(x.shape)  # as a shm read lands
@@ -131,9 +192,9 @@ def test_shared_memory_inputs_are_read_into_pinned_memory():
         assert relative_error(torch.from_numpy(y), _ref(x, "FP32", model)) <= FP32_TOL
 
 
-@pytest.mark.parametrize("enqueue_on_loop", [False, True])
-def test_concurrent_batches_overlap_and_stay_correct(enqueue_on_loop):
-    model = _model(max_batch=16)
+@pytest.mark.parametrize(("enqueue_on_loop", "native"), [(False, True), (True, True), (True, False)])
+def test_concurrent_batches_overlap_and_stay_correct(enqueue_on_loop, native):
+    model = _model(max_batch=16, native=native)
     metrics = Metrics("voxnet", gpu_metrics=False)
     runner = Runner(model, ModelStats(), metrics, BatchingConfig(True, 0.0, 4096), enqueue_on_loop=enqueue_on_loop)
     inflight_seen = []
@@ -203,24 +264,31 @@ def test_two_gpus_share_the_work():
     assert {"cuda:0", "cuda:1"} <= set(used), used
 
 
-def test_small_batches_share_padded_graphs():
+@pytest.mark.parametrize("native", PATHS)
+def test_small_batches_share_padded_graphs(native):
     from voxserve.server.core.pipeline import GRAPH_BUCKETS
 
-    model = _model()
+    model = _model(native=native)
     rng = np.random.default_rng()
     for n in (1, 3, 5, 6, 7, 3, 5, 6, 7, 12, 13, 12, 13, 2, 2):
         x = rng.standard_normal((n, 3, 16, 32, 32), dtype=np.float32)
         y, _ = model.run_arrays([x], "FP32")
         assert y.shape == (n, 16)
         assert relative_error(torch.from_numpy(y), _ref(x, "FP32", model)) <= FP32_TOL
-    shapes = {key[0][0] for key in model.graphs._graphs}
-    assert shapes <= set(GRAPH_BUCKETS) and len(model.graphs) <= 4, shapes  # buckets 2, 4, 8, 16 at most
+    if native:  # graphs per slot, keyed by (padded shape, datatype)
+        keys = {key for slot in model.pipeline._free.queue for key in slot.graphs}
+        shapes = {shape[0] for shape, _ in keys}
+    else:
+        keys = set(model.graphs._graphs)
+        shapes = {key[0][0] for key in keys}
+    assert shapes and shapes <= set(GRAPH_BUCKETS) and len(keys) <= 4, shapes  # buckets 2, 4, 8, 16 at most
 
 
-def test_completion_watcher_ends_executions_in_order_without_a_waiting_thread():
+@pytest.mark.parametrize("native", PATHS)
+def test_completion_watcher_ends_executions_in_order_without_a_waiting_thread(native):
     from voxserve.server.core.pipeline import CompletionWatcher
 
-    model = _model()
+    model = _model(native=native)
     pipeline = model.pipeline
     rng = np.random.default_rng()
     xs = [rng.standard_normal((n, 3, 16, 32, 32), dtype=np.float32) for n in (1, 7, 2)]

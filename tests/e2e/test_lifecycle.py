@@ -13,13 +13,17 @@ import urllib.request
 import grpc
 import numpy as np
 import pytest
+import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from voxserve.client import Client, InferenceError, build_request, parse_response
 from voxserve.client.bench import INFER_METHOD
+from voxserve.kernels import reference_float64, reference_weights
 from voxserve.proto import pb
+from voxserve.server import eventloop
+from voxserve.server.core.model import relative_error
 
-from ..conftest import REPO
+from ..conftest import REPO, running_server
 
 
 def _free_port() -> int:
@@ -103,6 +107,29 @@ def test_sigterm_drains_in_flight_requests(server_process):
     log.seek(0)
     text = log.read()
     assert "draining" in text and "stopped: 4 requests admitted, 4 answered OK, 0 abandoned" in text
+    assert "(asyncio event loop)" in text  # the default
+
+
+@pytest.mark.parametrize("kind", ["asyncio", "uvloop"])
+def test_each_event_loop_serves(kind, rng):
+    if kind == "uvloop" and eventloop.resolve("auto") != "uvloop":
+        pytest.skip("uvloop is not installed (the test extra installs it)")
+    with running_server(event_loop=kind) as srv, Client(srv.url) as client:
+        assert srv.wait_ready()
+        assert srv.call(_loop_kind()) == kind
+        x = torch.randn((2, 3, 5, 6, 7), generator=rng)
+        w, b = reference_weights()
+        assert relative_error(torch.from_numpy(client.infer(x.numpy())), reference_float64(x, w, b)) <= 1e-5
+
+
+async def _loop_kind() -> str:
+    return eventloop.running()
+
+
+def test_event_loop_choice():
+    assert eventloop.resolve("asyncio") == "asyncio"
+    assert eventloop.resolve("auto") in ("uvloop", "asyncio")
+    assert eventloop.run(_loop_kind(), "asyncio") == "asyncio"
 
 
 def test_bad_weights_fail_start_with_exit_1(tmp_path):
