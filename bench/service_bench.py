@@ -15,7 +15,8 @@ code in its Python backend (bench/triton_peer/: one model per input datatype, dy
 --triton-instances each) in every table; without it its rows are skipped and the report says why.
 MLServer runs the same model as a custom runtime with eager PyTorch (bench/mlserver_peer/), in its own
 process and Python environment (--mlserver-python, or this one with --mlserver-pythonpath prepended).
-Every server runs on this machine beside the client, one at a time.
+Every server runs on this machine beside the client, one at a time; --out is rewritten after each (a run cut
+short keeps what it measured).
 """
 
 from __future__ import annotations
@@ -28,11 +29,13 @@ import json
 import os
 import platform
 import shlex
+import signal
 import subprocess
 import sys
 import tempfile
 import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -135,7 +138,9 @@ def triton_rows(args, out: dict[str, list[LevelResult]], full: np.ndarray, notes
                      "are below")
 
 
-def run(args, notes: list[str]) -> dict[str, list[LevelResult]]:
+def run(args, notes: list[str], checkpoint: Callable[[dict[str, list[LevelResult]]], None]
+        ) -> dict[str, list[LevelResult]]:
+    """Every server's rows, one server at a time; ``checkpoint`` gets the rows so far after each."""
     rng = np.random.default_rng(0)
     full = rng.standard_normal((args.batch, *SAMPLE), dtype=np.float32)
     one = full[:1].copy()
@@ -164,6 +169,7 @@ def run(args, notes: list[str]) -> dict[str, list[LevelResult]]:
         out["batch1"].append(level(vox.url, single, 1, n1, 64, "voxserve", d, *load))
     with ServerProcess([*serve, "--no-batching"]) as vox:
         out["batch1"].append(level(vox.url, single, 1, n1, 64, "voxserve, no batching", d, *load))
+    checkpoint(out)
     if args.frontends:
         fe = f"voxserve --frontends {args.frontends}"
         spread = max(4, args.frontends)  # connections, so that every front end gets some
@@ -181,15 +187,17 @@ def run(args, notes: list[str]) -> dict[str, list[LevelResult]]:
             out["batch1"].append(level(vox.url, single, 1, n1, 64, fe, d, *load))
         with ServerProcess([*serve, "--frontends", str(args.frontends), "--no-batching"]) as vox:
             out["batch1"].append(level(vox.url, single, 1, n1, 64, f"{fe}, no batching", d, *load))
+        checkpoint(out)
+    if args.triton:
+        triton_rows(args, out, full, notes)
+        checkpoint(out)
+    else:
+        notes.append(f"{TRITON}: not run (--triton not given)")
     if args.mlserver_python or args.mlserver_pythonpath:
         with mlserver(args.mlserver_python or sys.executable, args.mlserver_pythonpath) as url:
             for c in args.full_concurrency:
                 out["full"].append(level(url, fp32, args.batch, n32, c, "MLServer", d))
             out["batch1"].append(level(url, single, 1, n1, 64, "MLServer", d, *load))
-    if args.triton:
-        triton_rows(args, out, full, notes)
-    else:
-        notes.append(f"{TRITON}: not run (--triton not given)")
     return out
 
 
@@ -276,9 +284,17 @@ def main() -> int:
     parser.add_argument("--triton-instances", type=int, default=2, help="Triton model instances per model")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
+    # SIGTERM (a time limit) unwinds like Ctrl-C: every server started so far is stopped on the way out.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     t0 = time.perf_counter()
     notes: list[str] = []
-    out = run(args, notes)
+
+    def checkpoint(rows: dict[str, list[LevelResult]]) -> None:  # a report so far, should the run be cut short
+        if args.out:
+            Path(args.out).write_text(render(args, rows, "unfinished run", time.perf_counter() - t0,
+                                             [*notes, "unfinished: written before every server had run"]))
+
+    out = run(args, notes, checkpoint)
     try:
         import torch
 

@@ -14,6 +14,7 @@ temporary folder that is removed when the server stops.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import ctypes.util
 import importlib.util
 import os
@@ -133,9 +134,15 @@ def _stop(proc: subprocess.Popen, timeout_s: float = 30.0) -> None:
     try:
         proc.wait(timeout_s)
     except subprocess.TimeoutExpired:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)  # the session it was started in: the server and its stubs
+        proc.kill()  # its stubs exit once they see their server gone
         proc.wait(10)
+
+
+def _die_with_parent() -> None:
+    """(In the child, before exec.) SIGTERM when the process that started it dies, however it dies: a benchmark
+    killed part way must not leave a server behind."""
+    PR_SET_PDEATHSIG = 1
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 @contextlib.contextmanager
@@ -187,7 +194,7 @@ def triton_server(source: str | None = "auto", *, datatypes: tuple[str, ...] = (
         log_path = scratch / "tritonserver.log"
         with open(log_path, "w+") as log:
             proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=scratch,
-                                    start_new_session=True)
+                                    preexec_fn=_die_with_parent)
             url = f"127.0.0.1:{port}"
             try:
                 peer = TritonPeer(url, {dt: MODELS[dt][0] for dt in datatypes}, instances, log=log_path)
