@@ -101,11 +101,15 @@ def _find_root(source: str | None, scratch: Path) -> Path:
 
 def _libpython_dir() -> str | None:
     """The folder of this Python's libpython3.X.so.1.0 for LD_LIBRARY_PATH ("" when the loader finds it
-    already); None when this Python has no shared library."""
+    already: a system folder is never put first on the path, where it would shadow the libraries that torch's
+    own search path expects); None when this Python has no shared library."""
     soname = sysconfig.get_config_var("INSTSONAME") or f"libpython{_python_version()}.so.1.0"
+    arch = sysconfig.get_config_var("MULTIARCH") or ""
+    system = {Path(p).resolve() for p in ("/lib", "/lib64", "/usr/lib", "/usr/lib64", f"/lib/{arch}",
+                                          f"/usr/lib/{arch}")}
     for folder in (sysconfig.get_config_var("LIBDIR"), os.path.join(sys.base_prefix, "lib")):
         if folder and (Path(folder) / soname).exists():
-            return folder
+            return "" if Path(folder).resolve() in system else folder
     return "" if ctypes.util.find_library(f"python{_python_version()}") else None
 
 
