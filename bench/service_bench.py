@@ -4,9 +4,9 @@
         [--mlserver-python PY] [--triton [WHEEL]] [--device auto] [--duration 5]
 
 Scenarios (all through `voxserve.client.bench.run_level`: pre-serialised requests, N concurrent workers):
-  1. full-batch FP32 over gRPC: a trivial sink (the transport's ceiling), voxserve, MLServer;
-  2. the same batch as FP16 on the wire (voxserve);
-  3. the same batch in system shared memory (voxserve; a client on the same host);
+  1. full-batch FP32 over gRPC: a trivial sink (the transport's ceiling), voxserve, Triton, MLServer;
+  2. the same batch as FP16 on the wire (voxserve, Triton);
+  3. the same batch in system shared memory (voxserve, Triton; a client on the same host);
   4. batch-1 traffic at concurrency 64: voxserve with batching, without (--no-batching), Triton, MLServer.
 With --frontends N, voxserve also runs with N gRPC front ends before its engine (rows of their own); the
 batch-1 client is --processes load processes over --connections connections, the same for every server.
