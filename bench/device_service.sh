@@ -1,8 +1,12 @@
 #!/usr/bin/env bash
-# The service benchmark on a GPU machine (repository root): GPU pipeline and front-end tests, then
-# bench/service_bench.py with --frontends and a multi-process batch-1 client, MLServer included when its
-# wheels were carried in .mls/ (pip download mlserver and its dependencies for the device's Python).
-# Writes $OUT/service-<device>.md and $OUT/service.log.
+# The service benchmark on a GPU machine (repository root): GPU pipeline and front-end tests (TESTS=0 skips
+# them), then bench/service_bench.py with --frontends and a multi-process batch-1 client, full batches at
+# FULL_CONCURRENCY (1,4,16). Peers, when carried:
+#   MLServer: its wheels in .mls/ (pip download mlserver and its dependencies for the device's Python);
+#   Triton:   .triton/ holding the nvidia-pytriton 0.7.0 wheel (55 MB), or, to travel beside .mls/ within one
+#             call's 64 MiB, its server parts for Python 3.12 (27 MB):
+#             python bench/triton_peer/server.py pack nvidia_pytriton-0.7.0-*.whl .triton/tritonserver-py3.12.zip --python 3.12
+# Writes $OUT/service-<device>.md and $OUT/service.log. The whole run stays within LIMIT_S (590) seconds.
 set -uo pipefail
 OUT=${OUT:-$PWD/device-out}
 mkdir -p "$OUT"
@@ -12,8 +16,16 @@ MLS=()
 if compgen -G ".mls/*.whl" > /dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/mls-site .mls/*.whl && MLS=(--mlserver-pythonpath /tmp/mls-site)
 fi
-timeout 300 python3 -m pytest -q tests/core/test_pipeline_gpu.py tests/topology/test_frontends.py 2>&1 | tail -3
+TRITON=()
+triton=$({ compgen -G ".triton/*.zip"; compgen -G ".triton/*.whl"; } | head -1)
+[ -n "$triton" ] && TRITON=(--triton "$triton" --triton-instances "${TRITON_INSTANCES:-2}")
+if [ "${TESTS:-1}" != 0 ]; then
+  timeout 300 python3 -m pytest -q tests/core/test_pipeline_gpu.py tests/topology/test_frontends.py 2>&1 | tail -3
+fi
 name=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | tr 'A-Z ' 'a-z-')
-timeout 500 python3 bench/service_bench.py --frontends "${FRONTENDS:-6}" --processes 8 --connections 16 "${MLS[@]}" \
-  --out "$OUT/service-$name.md" > /dev/null
-tail -12 "$OUT/service-$name.md"
+left=$(( ${LIMIT_S:-590} - SECONDS ))
+echo "service_bench: ${left} s left; MLServer: ${MLS[*]:-not carried}; Triton: ${TRITON[*]:-not carried}"
+PYTHONUNBUFFERED=1 timeout "$left" python3 bench/service_bench.py --frontends "${FRONTENDS:-6}" --processes 8 \
+  --connections 16 --full-concurrency "${FULL_CONCURRENCY:-1,4,16}" --duration "${DURATION:-5}" "${MLS[@]}" \
+  "${TRITON[@]}" --out "$OUT/service-$name.md" > /dev/null
+tail -20 "$OUT/service-$name.md"

@@ -1,18 +1,22 @@
-"""The service benchmark: raw gRPC ceiling vs voxserve vs MLServer, driven by one client, in one run.
+"""The service benchmark: raw gRPC ceiling vs voxserve vs Triton vs MLServer, driven by one client, in one run.
 
     python bench/service_bench.py --out bench/results/service-<machine>.md [--mlserver-pythonpath DIR]
-        [--mlserver-python PY] [--device auto] [--duration 5]
+        [--mlserver-python PY] [--triton [WHEEL]] [--device auto] [--duration 5]
 
 Scenarios (all through `voxserve.client.bench.run_level`: pre-serialised requests, N concurrent workers):
-  1. full-batch FP32 over gRPC: a trivial sink (the transport's ceiling), voxserve, MLServer;
-  2. the same batch as FP16 on the wire (voxserve);
-  3. the same batch in system shared memory (voxserve; a client on the same host);
-  4. batch-1 traffic at concurrency 64: voxserve with batching, without (--no-batching), MLServer.
+  1. full-batch FP32 over gRPC: a trivial sink (the transport's ceiling), voxserve, Triton, MLServer;
+  2. the same batch as FP16 on the wire (voxserve, Triton);
+  3. the same batch in system shared memory (voxserve, Triton; a client on the same host);
+  4. batch-1 traffic at concurrency 64: voxserve with batching, without (--no-batching), Triton, MLServer.
 With --frontends N, voxserve also runs with N gRPC front ends before its engine (rows of their own); the
 batch-1 client is --processes load processes over --connections connections, the same for every server.
+Triton (--triton: the nvidia-pytriton wheel's path, or an installed pytriton) runs voxserve's own model
+code in its Python backend (bench/triton_peer/: one model per input datatype, dynamic batching,
+--triton-instances each) in every table; without it its rows are skipped and the report says why.
 MLServer runs the same model as a custom runtime with eager PyTorch (bench/mlserver_peer/), in its own
 process and Python environment (--mlserver-python, or this one with --mlserver-pythonpath prepended).
-Every server runs on this machine beside the client, one at a time.
+Every server runs on this machine beside the client, one at a time; --out is rewritten after each (a run cut
+short keeps what it measured).
 """
 
 from __future__ import annotations
@@ -25,13 +29,17 @@ import json
 import os
 import platform
 import shlex
+import signal
 import subprocess
 import sys
 import tempfile
 import time
+import traceback
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
+from triton_peer.server import TritonUnavailable, triton_server  # bench/triton_peer/ (this script's folder)
 
 from voxserve.client import Client, build_request
 from voxserve.client.bench import LevelResult, raw_sink, run_level, run_level_processes, setup_shared_memory
@@ -40,6 +48,7 @@ from voxserve.testing.load import ServerProcess, free_port
 
 REPO = Path(__file__).resolve().parents[1]
 SAMPLE = (3, 16, 32, 32)
+TRITON = "Triton"
 
 
 @contextlib.contextmanager
@@ -84,16 +93,54 @@ def mlserver(python: str, pythonpath: str | None, timeout_s: float = 300.0):
 
 
 def level(url: str, payload: bytes, samples: int, tensor_bytes: int, concurrency: int, target: str,
-          duration_s: float, processes: int = 1, connections: int = 1) -> LevelResult:
+          duration_s: float, processes: int = 1, connections: int = 1, model: str = "voxnet") -> LevelResult:
     print(f"  {target}: {samples} samples x c={concurrency}", file=sys.stderr, flush=True)
-    common = dict(duration_s=duration_s, requests=None, model="voxnet", target=target, timeout_s=300.0,
+    common = dict(duration_s=duration_s, requests=None, model=model, target=target, timeout_s=300.0,
                   connections=connections)
     if processes > 1:
         return run_level_processes(url, payload, samples, tensor_bytes, concurrency, processes=processes, **common)
     return asyncio.run(run_level(url, payload, samples, tensor_bytes, concurrency, **common))
 
 
-def run(args) -> dict[str, list[LevelResult]]:
+def triton_rows(args, out: dict[str, list[LevelResult]], full: np.ndarray, notes: list[str]) -> None:
+    """Triton's rows in every table, or a note saying why there are none."""
+    one = full[:1].copy()
+    d, load = args.duration, (args.processes, args.connections)
+    n32, n16, n1 = full.nbytes, len(to_wire(full, "FP16")), one.nbytes
+    try:
+        with triton_server(args.triton, instances=args.triton_instances, device=args.device,
+                           max_batch=args.batch) as triton:
+            notes.append(f"{TRITON}: Triton Inference Server {triton.version} (nvidia-pytriton 0.7.0's tritonserver), "
+                         f"Python backend running voxserve's Model (bench/triton_peer/), models "
+                         f"{', '.join(triton.models.values())}, {triton.instances} instances each, dynamic batching "
+                         f"(max_batch_size {args.batch}, no queue delay)")
+            m32, m16 = triton.models["FP32"], triton.models["FP16"]
+            fp32 = build_request(full, m32, "FP32").SerializeToString()
+            fp16 = build_request(full, m16, "FP16").SerializeToString()
+            single = build_request(one, m32, "FP32").SerializeToString()
+            for c in args.full_concurrency:
+                out["full"].append(level(triton.url, fp32, args.batch, n32, c, TRITON, d, model=m32))
+            for c in args.full_concurrency:
+                out["fp16"].append(level(triton.url, fp16, args.batch, n16, c, TRITON, d, model=m16))
+            payload, cleanup = setup_shared_memory(triton.url, full, "FP32", m32)
+            try:
+                for c in args.full_concurrency:
+                    out["shm"].append(level(triton.url, payload, args.batch, n32, c, TRITON, d, model=m32))
+            finally:
+                cleanup()
+            out["batch1"].append(level(triton.url, single, 1, n1, 64, TRITON, d, *load, model=m32))
+    except TritonUnavailable as exc:
+        print(f"Triton's rows skipped: {exc}", file=sys.stderr, flush=True)
+        notes.append(f"{TRITON}: skipped: {str(exc).splitlines()[0]}")
+    except Exception as exc:  # the other servers' rows are still worth their report
+        traceback.print_exc()
+        notes.append(f"{TRITON}: failed part way ({type(exc).__name__}: {str(exc).splitlines()[0]}); its rows so far "
+                     "are below")
+
+
+def run(args, notes: list[str], checkpoint: Callable[[dict[str, list[LevelResult]]], None]
+        ) -> dict[str, list[LevelResult]]:
+    """Every server's rows, one server at a time; ``checkpoint`` gets the rows so far after each."""
     rng = np.random.default_rng(0)
     full = rng.standard_normal((args.batch, *SAMPLE), dtype=np.float32)
     one = full[:1].copy()
@@ -122,6 +169,7 @@ def run(args) -> dict[str, list[LevelResult]]:
         out["batch1"].append(level(vox.url, single, 1, n1, 64, "voxserve", d, *load))
     with ServerProcess([*serve, "--no-batching"]) as vox:
         out["batch1"].append(level(vox.url, single, 1, n1, 64, "voxserve, no batching", d, *load))
+    checkpoint(out)
     if args.frontends:
         fe = f"voxserve --frontends {args.frontends}"
         spread = max(4, args.frontends)  # connections, so that every front end gets some
@@ -139,6 +187,12 @@ def run(args) -> dict[str, list[LevelResult]]:
             out["batch1"].append(level(vox.url, single, 1, n1, 64, fe, d, *load))
         with ServerProcess([*serve, "--frontends", str(args.frontends), "--no-batching"]) as vox:
             out["batch1"].append(level(vox.url, single, 1, n1, 64, f"{fe}, no batching", d, *load))
+        checkpoint(out)
+    if args.triton:
+        triton_rows(args, out, full, notes)
+        checkpoint(out)
+    else:
+        notes.append(f"{TRITON}: not run (--triton not given)")
     if args.mlserver_python or args.mlserver_pythonpath:
         with mlserver(args.mlserver_python or sys.executable, args.mlserver_pythonpath) as url:
             for c in args.full_concurrency:
@@ -152,25 +206,33 @@ def _best(rows: list[LevelResult], target: str) -> LevelResult | None:
     return max(rows, key=lambda r: r.rps) if rows else None
 
 
-def render(args, out: dict[str, list[LevelResult]], device: str, seconds: float) -> str:
+def render(args, out: dict[str, list[LevelResult]], device: str, seconds: float, notes: list[str]) -> str:
     now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     lines = [f"# Service benchmark: {device}", "",
              f"- date: {now}; {os.cpu_count()} CPU cores, Python {platform.python_version()}; client and servers on "
              "the same host over loopback, one server at a time",
              f"- command: `{shlex.join(['python', 'bench/service_bench.py', *sys.argv[1:]])}` ({seconds:.0f} s)",
              f"- requests: ({args.batch}, {', '.join(map(str, SAMPLE))}) for the full batch, (1, "
-             f"{', '.join(map(str, SAMPLE))}) for batch 1; {args.duration:.0f} s per level", ""]
+             f"{', '.join(map(str, SAMPLE))}) for batch 1; {args.duration:.0f} s per level",
+             *(f"- {note}" for note in notes), ""]
     titles = {"full": "Full batch, FP32 over gRPC", "fp16": "Full batch, FP16 on the wire",
               "shm": "Full batch in system shared memory", "batch1": "Batch 1 at concurrency 64"}
     for key, rows in out.items():
-        lines += [f"## {titles[key]}", "", "| target | conc | req/s | samples/s | MB/s | p50 ms | p90 ms | p99 ms | "
-                  "errors |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        lines += [f"## {titles[key]}", "", "| target | conc | req/s | samples/s | tensor MB/s | p50 ms | p90 ms | "
+                  "p99 ms | errors |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
         for r in rows:
             lines.append(f"| {r.target} | {r.concurrency} | {r.rps:.1f} | {r.rps * r.samples_per_request:.0f} | "
                          f"{r.rps * r.request_bytes / 1e6:.0f} | {r.percentile(50):.1f} | {r.percentile(90):.1f} | "
                          f"{r.percentile(99):.1f} | {r.errors} |")
         lines.append("")
-    lines += ["## Against the targets", "", "| target | measured | goal |", "|---|---|---|"]
+        failed = [r for r in rows if r.first_error is not None]
+        for r in failed:
+            status, message = r.first_error or ("", "")
+            lines.append(f"- {r.target}, c={r.concurrency}: {r.errors} errors; the first: {status}: {message[:200]}")
+        if failed:
+            lines.append("")
+    lines += ["tensor MB/s: input tensor bytes per second, on the wire or in shared memory.", "",
+              "## Against the targets", "", "| target | measured | goal |", "|---|---|---|"]
 
     def ratio(a: LevelResult | None, b: LevelResult | None) -> str:
         return f"{a.rps * a.samples_per_request / (b.rps * b.samples_per_request):.2f}x" if a and b else "-"
@@ -195,6 +257,11 @@ def render(args, out: dict[str, list[LevelResult]], device: str, seconds: float)
     best_1 = max((r for r in (b1.get("voxserve"), b1.get(fe)) if r), key=lambda r: r.rps, default=None)
     lines.append(f"| vs MLServer (eager PyTorch), full batch | {ratio(best_full, mls_full)} | >= 2x |")
     lines.append(f"| vs MLServer, batch 1 at c=64 | {ratio(best_1, mls_1)} | >= 2x |")
+    voxserve_targets = ("voxserve", fe) if args.frontends else ("voxserve",)
+    for key in out:
+        ours = max((r for r in (_best(out[key], t) for t in voxserve_targets) if r), key=lambda r: r.rps, default=None)
+        lines.append(f"| vs Triton, {titles[key][0].lower()}{titles[key][1:]} (best level each) | "
+                     f"{ratio(ours, _best(out[key], TRITON))} | > 1x |")
     return "\n".join(lines) + "\n"
 
 
@@ -210,10 +277,24 @@ def main() -> int:
                         help="also run voxserve with --frontends N (its own rows in every table)")
     parser.add_argument("--processes", type=int, default=1, help="load processes of the batch-1 client")
     parser.add_argument("--connections", type=int, default=1, help="connections of the batch-1 client")
+    parser.add_argument("--triton", nargs="?", const="auto", default=None, metavar="WHEEL",
+                        help="also run Triton Inference Server: the nvidia-pytriton wheel (or a zip of its server "
+                        "parts: bench/triton_peer/server.py pack), a folder holding pytriton, or none: the "
+                        "installed pytriton")
+    parser.add_argument("--triton-instances", type=int, default=2, help="Triton model instances per model")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
+    # SIGTERM (a time limit) unwinds like Ctrl-C: every server started so far is stopped on the way out.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     t0 = time.perf_counter()
-    out = run(args)
+    notes: list[str] = []
+
+    def checkpoint(rows: dict[str, list[LevelResult]]) -> None:  # a report so far, should the run be cut short
+        if args.out:
+            Path(args.out).write_text(render(args, rows, "unfinished run", time.perf_counter() - t0,
+                                             [*notes, "unfinished: written before every server had run"]))
+
+    out = run(args, notes, checkpoint)
     try:
         import torch
 
@@ -221,7 +302,7 @@ def main() -> int:
             f"CPU ({platform.processor() or platform.machine()})"
     except ImportError:
         device = "unknown"
-    text = render(args, out, device, time.perf_counter() - t0)
+    text = render(args, out, device, time.perf_counter() - t0, notes)
     print(text)
     if args.out:
         Path(args.out).write_text(text)

@@ -3,8 +3,10 @@
 For each concurrency level, that many asyncio workers send the same pre-serialised ModelInfer
 request back to back for a duration or a number of requests (``--streaming``: as messages of one
 ModelStreamInfer stream per connection instead of one call each); the report gives throughput
-(requests/s, samples/s, MB/s of input) and latency percentiles per level, and the server's own
-queue/compute split from ModelStatistics. ``--compare-raw`` sends the same bytes, in the same run, to a
+(requests/s, samples/s, MB/s of input tensor data and of request messages on the wire) and latency
+percentiles per level, the first error of a level that had any (status and message), and the server's own
+queue/compute split from ModelStatistics. It works against any Open Inference Protocol server (the report
+names the server from its ServerMetadata). ``--compare-raw`` sends the same bytes, in the same run, to a
 trivial sink server in another process: the gRPC transport's ceiling on this machine.
 Needs only grpcio, protobuf and numpy (matplotlib for --plot).
 """
@@ -19,6 +21,7 @@ import json
 import multiprocessing
 import os
 import queue
+import socket
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -30,7 +33,14 @@ import numpy as np
 from voxserve.datatypes import to_wire
 from voxserve.proto import pb
 
-from .client import DEFAULT_MAX_MESSAGE_BYTES, Client, _channel_options, build_request, build_shm_request
+from .client import (
+    DEFAULT_MAX_MESSAGE_BYTES,
+    Client,
+    InferenceError,
+    _channel_options,
+    build_request,
+    build_shm_request,
+)
 from .security import PLAINTEXT, Credentials
 from .shm import SharedMemoryBuffer
 
@@ -42,20 +52,26 @@ STATS_METHOD = "/inference.GRPCInferenceService/ModelStatistics"
 
 @dataclass
 class LevelResult:
-    target: str  # "voxserve" or "raw sink"
+    target: str  # the server's name ("voxserve", "triton", ...) or "raw sink"
     concurrency: int
     requests: int
     errors: int
     seconds: float
     samples_per_request: int
-    request_bytes: int  # tensor bytes per request (in shared memory or on the wire)
+    request_bytes: int  # input tensor bytes per request (in shared memory or on the wire)
+    wire_bytes: int = 0  # the serialised request message's bytes (what crosses the socket)
     latencies_ms: list[float] = field(default_factory=list, repr=False)
     server_queue_ms: float | None = None  # mean per request, from ModelStatistics
     server_compute_ms: float | None = None  # mean per execution
     wall_start: float = field(default=0.0, repr=False)  # time.time() of the first request sent
     wall_end: float = field(default=0.0, repr=False)
-    # (status name, details) -> count, for every failed request (not in summary(): the CLI's report is of counts)
+    # (status name, details) -> count, for every failed request, in the order first seen (summary(): the first)
     failures: collections.Counter = field(default_factory=collections.Counter, repr=False)
+
+    @property
+    def first_error(self) -> tuple[str, str] | None:
+        """(status name, message) of the first failed request, None when none failed."""
+        return next(iter(self.failures), None)
 
     @property
     def rps(self) -> float:
@@ -67,8 +83,11 @@ class LevelResult:
     def summary(self) -> dict:
         d = {k: v for k, v in asdict(self).items() if k not in ("latencies_ms", "failures")}
         d.update(requests_per_s=self.rps, samples_per_s=self.rps * self.samples_per_request,
-                 mb_per_s=self.rps * self.request_bytes / 1e6, p50_ms=self.percentile(50),
-                 p90_ms=self.percentile(90), p99_ms=self.percentile(99))
+                 mb_per_s=self.rps * self.request_bytes / 1e6, wire_mb_per_s=self.rps * self.wire_bytes / 1e6,
+                 p50_ms=self.percentile(50), p90_ms=self.percentile(90), p99_ms=self.percentile(99),
+                 first_error=None)
+        if self.first_error is not None:
+            d["first_error"] = dict(zip(("status", "message"), self.first_error, strict=True))
         return d
 
 
@@ -166,7 +185,8 @@ async def run_level(url: str, payload: bytes, samples: int, tensor_bytes: int, c
                     ready: Callable[[], None] | None = None) -> LevelResult:
     """Drive one concurrency level; exactly one of duration_s / requests bounds it. The workers share
     ``connections`` connections round-robin (a server of several replicas serves each on one replica);
-    ``streaming``: each connection carries one ModelStreamInfer stream that its workers' requests travel on.
+    ``streaming``: each connection carries one ModelStreamInfer stream that its workers' requests travel on;
+    ``statistics``: ask the server's ModelStatistics before and after (a server without them: no split).
     The project's one closed-loop driver: voxserve.testing.load.closed_loop reports a level of it by status."""
     metadata = credentials.metadata()
     async with contextlib.AsyncExitStack() as stack:
@@ -180,8 +200,8 @@ async def run_level(url: str, payload: bytes, samples: int, tensor_bytes: int, c
                 stack.push_async_callback(stream.close)
         else:  # bytes in, bytes out: no client-side (de)serialisation
             calls = [ch.unary_unary(INFER_METHOD) for ch in channels]
-        before = await _stats(channel, model, metadata) if statistics and target == "voxserve" else None
-        result = LevelResult(target, concurrency, 0, 0, 0.0, samples, tensor_bytes)
+        before = await _stats(channel, model, metadata) if statistics else None
+        result = LevelResult(target, concurrency, 0, 0, 0.0, samples, tensor_bytes, len(payload))
         issued = 0
         if ready is not None:  # connected: wait for the other load processes (blocks this loop, idle anyway)
             ready()
@@ -222,7 +242,7 @@ async def run_level(url: str, payload: bytes, samples: int, tensor_bytes: int, c
         if reporter is not None:
             reporter.cancel()
             print(file=sys.stderr)
-        after = await _stats(channel, model, metadata) if statistics and target == "voxserve" else None
+        after = await _stats(channel, model, metadata) if statistics else None
         _server_split(result, before, after)
         return result
 
@@ -247,7 +267,7 @@ def _level_process(results, url: str, payload: bytes, samples: int, tensor_bytes
 def run_level_processes(url: str, payload: bytes, samples: int, tensor_bytes: int, concurrency: int, *,
                         processes: int, duration_s: float | None, requests: int | None, model: str, target: str,
                         timeout_s: float = 120.0, progress: bool = False, credentials: Credentials = PLAINTEXT,
-                        connections: int = 1, streaming: bool = False) -> LevelResult:
+                        connections: int = 1, streaming: bool = False, statistics: bool = True) -> LevelResult:
     """``run_level`` spread over ``processes`` load processes (each its own event loop and connections), for
     servers that one Python client process cannot saturate; the workers, connections and requests are split
     as evenly as they go and the latencies merged."""
@@ -263,10 +283,10 @@ def run_level_processes(url: str, payload: bytes, samples: int, tensor_bytes: in
         children.append(ctx.Process(target=_level_process, daemon=True, args=(
             results, url, payload, samples, tensor_bytes, share, duration_s, reqs, model, target, timeout_s,
             credentials, conns, streaming, start)))
-    before = asyncio.run(_stats_once(url, model, credentials)) if target == "voxserve" else None
+    before = asyncio.run(_stats_once(url, model, credentials)) if statistics else None
     for child in children:
         child.start()
-    merged = LevelResult(target, concurrency, 0, 0, 0.0, samples, tensor_bytes)
+    merged = LevelResult(target, concurrency, 0, 0, 0.0, samples, tensor_bytes, len(payload))
     try:
         # Every process sends for the same window: started one by one, each would have the server to itself
         # for a while and their summed rates would overstate what they reach together.
@@ -300,7 +320,7 @@ def run_level_processes(url: str, payload: bytes, samples: int, tensor_bytes: in
                 child.terminate()
         if progress:
             print(file=sys.stderr)
-    after = asyncio.run(_stats_once(url, model, credentials)) if target == "voxserve" else None
+    after = asyncio.run(_stats_once(url, model, credentials)) if statistics else None
     _server_split(merged, before, after)
     return merged
 
@@ -364,38 +384,91 @@ def raw_sink() -> Iterator[str]:
 
 
 def format_table(results: list[LevelResult]) -> str:
-    header = (f"{'target':<10} {'conc':>5} {'req/s':>9} {'samples/s':>10} {'MB/s':>8} {'p50 ms':>8} {'p90 ms':>8} "
-              f"{'p99 ms':>8} {'errors':>6} {'srv queue ms':>12} {'srv compute ms':>14}")
+    """One row per level. "tensor MB/s": input tensor bytes per second, wherever they travel (on the wire, or in
+    shared memory); "wire MB/s": request messages' bytes per second through the socket."""
+    width = max([10, *(len(r.target) for r in results)])
+    header = (f"{'target':<{width}} {'conc':>5} {'req/s':>9} {'samples/s':>10} {'tensor MB/s':>11} {'wire MB/s':>9} "
+              f"{'p50 ms':>8} {'p90 ms':>8} {'p99 ms':>8} {'errors':>6} {'srv queue ms':>12} {'srv compute ms':>14}")
     rows = [header, "-" * len(header)]
     for r in results:
         q = f"{r.server_queue_ms:.2f}" if r.server_queue_ms is not None else "-"
         c = f"{r.server_compute_ms:.2f}" if r.server_compute_ms is not None else "-"
-        rows.append(f"{r.target:<10} {r.concurrency:>5} {r.rps:>9.1f} {r.rps * r.samples_per_request:>10.1f} "
-                    f"{r.rps * r.request_bytes / 1e6:>8.1f} {r.percentile(50):>8.2f} {r.percentile(90):>8.2f} "
-                    f"{r.percentile(99):>8.2f} {r.errors:>6} {q:>12} {c:>14}")
+        rows.append(f"{r.target:<{width}} {r.concurrency:>5} {r.rps:>9.1f} {r.rps * r.samples_per_request:>10.1f} "
+                    f"{r.rps * r.request_bytes / 1e6:>11.1f} {r.rps * r.wire_bytes / 1e6:>9.2f} "
+                    f"{r.percentile(50):>8.2f} {r.percentile(90):>8.2f} {r.percentile(99):>8.2f} {r.errors:>6} "
+                    f"{q:>12} {c:>14}")
     return "\n".join(rows)
 
 
-def plot(results: list[LevelResult], path: str) -> None:
-    import matplotlib
+def format_errors(results: list[LevelResult]) -> str:
+    """A line per level that had errors: how many, and the first one's status and message."""
+    lines = []
+    for r in results:
+        if r.first_error is not None:
+            status, message = r.first_error
+            lines.append(f"{r.target} c={r.concurrency}: {r.errors} of {r.errors + r.requests} requests failed; "
+                         f"the first: {status}: {message}")
+    return "\n".join(lines)
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for target in sorted({r.target for r in results}):
+def format_bytes(n: float) -> str:
+    """A byte count in the unit that reads best (B, kB, MB, GB; decimal)."""
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n:.0f} B"
+
+
+def plot(results: list[LevelResult], path: str, title: str = ""):
+    """p50 and p99 latency against throughput, a line per target (log latency axis, ticks in plain ms);
+    writes ``path`` and returns the figure."""
+    from matplotlib.figure import Figure
+    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
+
+    fig = Figure(figsize=(8, 5))  # not pyplot's: nothing is kept once it is written
+    ax = fig.subplots()
+    for i, target in enumerate(sorted({r.target for r in results})):
         rs = [r for r in results if r.target == target]
-        ax.plot([r.rps * r.samples_per_request for r in rs], [r.percentile(99) for r in rs], marker="o",
-                label=f"{target} p99")
-        for r in rs:
-            ax.annotate(f"c={r.concurrency}", (r.rps * r.samples_per_request, r.percentile(99)), fontsize=8)
+        x = [r.rps * r.samples_per_request for r in rs]
+        color = f"C{i}"
+        ax.plot(x, [r.percentile(99) for r in rs], marker="o", color=color, label=f"{target} p99")
+        ax.plot(x, [r.percentile(50) for r in rs], marker="s", linestyle="--", color=color, label=f"{target} p50")
+        for r, xi in zip(rs, x, strict=True):
+            ax.annotate(f"c={r.concurrency}", (xi, r.percentile(99)), fontsize=8, xytext=(3, 3),
+                        textcoords="offset points")
     ax.set_xlabel("throughput (samples/s)")
-    ax.set_ylabel("p99 latency (ms)")
+    ax.set_ylabel("latency (ms), log scale")
     ax.set_yscale("log")
-    ax.grid(True, alpha=0.3)
-    ax.legend()
+    # Ticks written as numbers of ms, not powers of ten, and dense enough that a latency range within one
+    # decade still gets some: 1, 2, 5, 10, 20, ... over a wide range, every 1..9 x 10^n over a narrow one.
+    ms = [v for r in results for v in (r.percentile(50), r.percentile(99)) if v == v and v > 0]
+    subs: tuple[float, ...] = (1.0, 2.0, 5.0)
+    if ms:
+        lo, hi = min(ms) / 1.5, max(ms) * 1.5
+        ax.set_ylim(lo, hi)
+        if hi / lo < 10:
+            subs = tuple(float(k) for k in range(1, 10))
+    ax.yaxis.set_major_locator(LogLocator(base=10, subs=subs))
+    ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+    ax.yaxis.set_minor_formatter(NullFormatter())
+    ax.grid(True, which="major", alpha=0.3)
+    ax.grid(True, which="minor", alpha=0.1)
+    if title:
+        ax.set_title(title, fontsize=10)
+    ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
+    return fig
+
+
+def _server_name(url: str, credentials: Credentials) -> str | None:
+    """The server's ServerMetadata name and version ("triton 2.51.0"); None when it does not answer."""
+    try:
+        with Client(url, timeout_s=10, credentials=credentials) as c:
+            meta = c.server_metadata()
+    except Exception:  # unreachable, refused, not a v2 server: the levels will report it
+        return None
+    return f"{meta.name} {meta.version}".strip() or None
 
 
 def setup_shared_memory(url: str, x: np.ndarray, datatype: str, model: str,
@@ -418,7 +491,7 @@ def setup_shared_memory(url: str, x: np.ndarray, datatype: str, model: str,
         try:
             with Client(url, model=model, credentials=credentials) as c:
                 for region in (f"{tag}_in", f"{tag}_out"):
-                    c.unregister_system_shared_memory(region)
+                    _unregister(c, region)
         finally:
             shm_in.close()
             shm_out.close()
@@ -427,6 +500,20 @@ def setup_shared_memory(url: str, x: np.ndarray, datatype: str, model: str,
 
 
 _shm_ids = itertools.count()
+
+
+def _unregister(client: Client, region: str, patience_s: float = 10.0) -> None:
+    """Unregister a region, trying again for a while: Triton refuses while a request that used it is still being
+    released, which can be a moment after its answer came ("Cannot unregister ... it is currently in use")."""
+    deadline = time.monotonic() + patience_s
+    while True:
+        try:
+            client.unregister_system_shared_memory(region)
+            return
+        except InferenceError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
 
 
 def main(args) -> int:
@@ -442,7 +529,8 @@ def main(args) -> int:
     levels = args.concurrency
     duration = None if args.requests else args.duration
     results: list[LevelResult] = []
-    targets = [("voxserve", args.url, creds)]
+    server = _server_name(args.url, creds)
+    targets = [((server or "server").split()[0], args.url, creds)]
     with contextlib.ExitStack() as stack:
         if args.compare_raw:
             # The sink is plaintext and local: with TLS to voxserve the comparison includes TLS's cost.
@@ -453,7 +541,8 @@ def main(args) -> int:
             for c in levels:
                 common = dict(duration_s=duration, requests=args.requests, model=args.model_name, target=target,
                               timeout_s=args.timeout_s, progress=not args.json, credentials=target_creds,
-                              connections=args.connections, streaming=args.streaming)
+                              connections=args.connections, streaming=args.streaming,
+                              statistics=target != "raw sink")
                 if args.processes > 1:
                     results.append(run_level_processes(url, payload, args.batch, tensor_bytes, c,
                                                        processes=args.processes, **common))
@@ -461,15 +550,25 @@ def main(args) -> int:
                     results.append(asyncio.run(run_level(url, payload, args.batch, tensor_bytes, c, **common)))
     if args.json:
         print(json.dumps({"shape": list(shape), "dtype": args.dtype, "request_bytes": len(payload),
-                          "tensor_bytes": tensor_bytes, "shared_memory": bool(args.shared_memory),
+                          "tensor_bytes": tensor_bytes, "shared_memory": bool(args.shared_memory), "server": server,
                           "streaming": bool(args.streaming),
                           "levels": [r.summary() for r in results]}, indent=2))
     else:
-        where = "in shared memory, " if args.shared_memory else ""
+        where = "in shared memory" if args.shared_memory else "in the message"
         how = ", on streams (ModelStreamInfer)" if args.streaming else ""
-        print(f"request: {shape} {args.dtype}, {where}{len(payload) / 1e6:.2f} MB on the wire{how}")
+        print(f"server: {server or '(no ServerMetadata answer)'} at {args.url}")
+        print(f"request: {shape} {args.dtype}: {format_bytes(tensor_bytes)} of input tensor {where}, "
+              f"{format_bytes(len(payload))} request message on the wire{how}")
         print(format_table(results))
+        errors = format_errors(results)
+        if errors:
+            print(errors)
     if args.plot:
-        plot(results, args.plot)
+        title = (f"{shape} {args.dtype}{', shared memory' if args.shared_memory else ''}"
+                 f"{', streaming' if args.streaming else ''}\n{server or 'server'} at {args.url}, "
+                 f"client on {socket.gethostname()}")
+        plot(results, args.plot, title)
+        # stderr beside --json, whose stdout is the JSON alone
+        print(f"plot written to {os.path.abspath(args.plot)}", file=sys.stderr if args.json else sys.stdout)
     failed = sum(r.errors for r in results)
     return 1 if failed and failed == sum(r.errors + r.requests for r in results) else 0
