@@ -49,7 +49,8 @@ def overload(seconds: float, factor: float, extra: list[str]) -> dict:
         sampler = threading.Thread(target=lambda: rss.extend(sample_rss(server, stop, 0.1)))
         sampler.start()
         try:
-            load = asyncio.run(open_loop(server.url, body, factor * capacity.rate(), seconds, timeout_s=60))
+            load = asyncio.run(open_loop(server.url, body, factor * capacity.rate(), seconds, timeout_s=60,
+                                         connections=16))
         finally:
             stop.set()
             sampler.join()

@@ -42,7 +42,9 @@ def test_overload_gets_answers_bounded_memory_and_recovery(payload):
         sampler = threading.Thread(target=lambda: rss.extend(sample_rss(server, stop)))
         sampler.start()
         try:
-            overload = asyncio.run(open_loop(server.url, body, rate, 4.0, timeout_s=30))
+            # Over 16 connections: on one, the client would hold all but --max-streams-per-connection of the
+            # overload back itself, and the server would never see it.
+            overload = asyncio.run(open_loop(server.url, body, rate, 4.0, timeout_s=30, connections=16))
         finally:
             stop.set()
             sampler.join()

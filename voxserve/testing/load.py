@@ -196,14 +196,19 @@ async def _one(call, payload: bytes, timeout_s: float, report: LoadReport, keep_
 
 
 async def open_loop(url: str, payload: bytes, rate_per_s: float, duration_s: float, *, timeout_s: float = 30.0,
-                    keep_outputs: bool = False, during=None) -> LoadReport:
+                    keep_outputs: bool = False, during=None, connections: int = 1) -> LoadReport:
     """Send ``payload`` at ``rate_per_s`` for ``duration_s`` whatever the answers; wait for every answer.
 
+    ``connections``: the calls go round-robin over this many connections. One connection has at most the
+    server's --max-streams-per-connection calls open; the rest wait on the client's side (HTTP/2 flow control),
+    so an overload the server should see and refuse needs more connections than the overload has calls per limit.
     ``during``: an optional callable run (in a thread) at half time, e.g. to signal the server."""
     report = LoadReport()
     loop = asyncio.get_running_loop()
-    async with grpc.aio.insecure_channel(url, options=_channel_options(DEFAULT_MAX_MESSAGE_BYTES)) as channel:
-        call = channel.unary_unary(INFER_METHOD)
+    channels = [grpc.aio.insecure_channel(url, options=_channel_options(DEFAULT_MAX_MESSAGE_BYTES))
+                for _ in range(connections)]
+    try:
+        calls = [channel.unary_unary(INFER_METHOD) for channel in channels]
         tasks = []
         side = None
         t0 = loop.time()
@@ -211,6 +216,7 @@ async def open_loop(url: str, payload: bytes, rate_per_s: float, duration_s: flo
             due = t0 + report.offered / rate_per_s
             if due > now:
                 await asyncio.sleep(due - now)
+            call = calls[report.offered % connections]
             tasks.append(asyncio.create_task(_one(call, payload, timeout_s, report, keep_outputs)))
             report.offered += 1
             if during is not None and side is None and loop.time() - t0 >= duration_s / 2:
@@ -219,6 +225,9 @@ async def open_loop(url: str, payload: bytes, rate_per_s: float, duration_s: flo
         if side is not None:
             await side
         report.seconds = loop.time() - t0
+    finally:
+        for channel in channels:
+            await channel.close()
     return report
 
 
