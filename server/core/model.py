@@ -47,10 +47,53 @@ def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
     return float(torch.linalg.vector_norm(out64 - ref64) / torch.linalg.vector_norm(ref64))
 
 
+# The fused kernel is compiled with CUDA 13.0 and PyPI's torch carries CUDA 13 libraries: the oldest Linux driver
+# NVIDIA lists for CUDA 13.0 (the r580 branch, CUDA 13.x minor-version compatibility).
+MIN_NVIDIA_DRIVER = "580.65.06"
+
+
+def nvidia_driver_version() -> str | None:
+    """The NVIDIA kernel driver's version ("580.95.05") from NVML; None where there is no NVIDIA driver."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        try:
+            version = pynvml.nvmlSystemGetDriverVersion()
+        finally:
+            pynvml.nvmlShutdown()
+    except Exception:  # no NVML library, no driver loaded, no GPU: nothing to check
+        return None
+    return version.decode() if isinstance(version, bytes) else str(version)
+
+
+def _version_tuple(version: str) -> tuple[int, ...]:
+    return tuple(int(p) for p in version.split(".") if p.isdigit())
+
+
+def driver_problem() -> str | None:
+    """One sentence when a CUDA build of torch finds an NVIDIA driver older than MIN_NVIDIA_DRIVER, else None."""
+    if torch.version.cuda is None:
+        return None
+    found = nvidia_driver_version()
+    if found is None:
+        return None
+    if _version_tuple(found) >= _version_tuple(MIN_NVIDIA_DRIVER):
+        return None
+    return (f"NVIDIA driver {found} is older than {MIN_NVIDIA_DRIVER}, the oldest this build supports "
+            f"(CUDA 13.0, r580 series): update the host's driver")
+
+
 def select_device(requested: str) -> tuple[torch.device, str]:
     """Resolve --device into a torch device and the kernel label that will run on it."""
     if requested == "cpu":
         return torch.device("cpu"), "reference-cpu"
+    problem = driver_problem()
+    if problem is not None:
+        if requested != "auto":
+            raise RuntimeError(f"--device {requested}: {problem}")
+        log.error("%s; serving on the CPU", problem)
+        return torch.device("cpu"), "reference-cpu-fallback"
     if requested == "auto" and not torch.cuda.is_available():
         log.info("no CUDA device visible: serving on the CPU")
         return torch.device("cpu"), "reference-cpu"
