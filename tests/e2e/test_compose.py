@@ -81,7 +81,7 @@ def test_compose_runs_voxserve_and_prometheus_with_the_target_up_and_the_rules_l
     base = [*compose, "-p", project, *(a for f in [*files, str(ports)] for a in ("-f", f))]
     up = base + words[words.index("up"):]
     env = dict(os.environ)
-    if os.environ.get("IMAGE_BASES") == "local":
+    if containers.local_bases():
         env.setdefault("PROMETHEUS_IMAGE", LOCAL_PROMETHEUS)
     passed = False
     try:
