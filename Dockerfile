@@ -13,7 +13,8 @@ FROM ${CUDA_BASE} AS kernel
 # instructions (the wgmma kernel; VOXSERVE_WGMMA enables it), and PTX for newer GPUs.
 ARG CUDA_GENCODE="-gencode=arch=compute_80,code=sm_80 -gencode=arch=compute_90a,code=sm_90a -gencode=arch=compute_90,code=compute_90 -DVOXSERVE_WGMMA"
 COPY kernels/csrc/fused.cu /src/fused.cu
-RUN mkdir /out && nvcc -O3 -std=c++17 -shared -Xcompiler -fPIC -lineinfo -split-compile=0 ${CUDA_GENCODE} \
+# --threads 0: the targets compile in parallel (the same output).
+RUN mkdir /out && nvcc -O3 -std=c++17 -shared -Xcompiler -fPIC -lineinfo -split-compile=0 --threads 0 ${CUDA_GENCODE} \
       -o /out/libvoxserve_fused.so /src/fused.cu
 
 FROM ${PYTHON_BASE}

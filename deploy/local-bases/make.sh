@@ -89,9 +89,13 @@ if ! podman image exists "$DEBIAN_IMAGE"; then
   tar -C "$rootfs" -c . | podman import --change 'CMD ["/bin/bash"]' - "$DEBIAN_IMAGE" > /dev/null
 fi
 
+# The three at once (each waits on apt, pip or dpkg in turn); any failure fails the script.
+pids=() mounts="$(host_mounts cpu)"
 for base in python:"$PYTHON_IMAGE" cuda:"$CUDA_IMAGE" prometheus:"$PROMETHEUS_IMAGE"; do
-  # shellcheck disable=SC2046  # the mounts are words
-  podman build -q --pull=never --layers $(host_mounts cpu) -f "$here/${base%%:*}.Containerfile" -t "${base#*:}" \
-    "$here" > /dev/null
+  # shellcheck disable=SC2086  # the mounts are words
+  podman build -q --pull=never --layers $mounts -f "$here/${base%%:*}.Containerfile" -t "${base#*:}" \
+    "$here" > /dev/null &
+  pids+=($!)
 done
+for pid in "${pids[@]}"; do wait "$pid"; done
 echo "make.sh: $PYTHON_IMAGE, $CUDA_IMAGE and $PROMETHEUS_IMAGE are ready" >&2

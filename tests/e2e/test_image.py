@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 import pytest
 import torch
+from packaging.requirements import Requirement
 
 from voxserve.client import Client, build_request
 from voxserve.kernels import reference_float64, reference_weights
@@ -140,7 +141,9 @@ def test_the_torch_layer_is_keyed_on_the_torch_spec(container):
     assert spec, torch_steps
     version = run([container.engine, "run", "--rm", "--entrypoint", "python", container.image, "-c",
                    "import torch; print(torch.__version__, torch.version.cuda)"], timeout_s=300).stdout.split()
-    assert f"torch=={version[0]}" == spec.group(1).strip("'\""), (version, spec.group(1))
+    # The torch installed is the one the spec asked for (PyPI's CUDA build reports 2.13.0+cu130 for torch==2.13.0).
+    requirement = Requirement(spec.group(1).strip("'\""))
+    assert requirement.name == "torch" and requirement.specifier.contains(version[0]), (version, spec.group(1))
     fmt = ["--format", "docker"] if container.engine.endswith("podman") else []
     tags = []
     for value in ("cpu-index", "cuda-index", "cpu-index"):
