@@ -2,18 +2,31 @@
 # runtime image carries only Python, the CUDA build of PyTorch and the kernel library.
 #   docker build -t voxserve .
 #   docker run --gpus all -p 8001:8001 -p 8002:8002 voxserve
-# Without a GPU the same image serves on the CPU.
+# Without a GPU the same image serves on the CPU. Minimum NVIDIA driver on the host: 580.65.06 (CUDA 13.0).
+# The bases are build arguments so that a registry-free build can name local stand-ins
+# (deploy/local-bases/make.sh); the defaults are the real images.
+ARG CUDA_BASE=nvidia/cuda:13.0.1-devel-ubuntu24.04
+ARG PYTHON_BASE=python:3.12-slim
 
-FROM nvidia/cuda:13.0.1-devel-ubuntu24.04 AS kernel
+FROM ${CUDA_BASE} AS kernel
 # Flags mirror kernels/build.py (NVCC_FLAGS, arch_flags): Ampere, Hopper with its arch-specific
 # instructions (the wgmma kernel; VOXSERVE_WGMMA enables it), and PTX for newer GPUs.
 ARG CUDA_GENCODE="-gencode=arch=compute_80,code=sm_80 -gencode=arch=compute_90a,code=sm_90a -gencode=arch=compute_90,code=compute_90 -DVOXSERVE_WGMMA"
 COPY kernels/csrc/fused.cu /src/fused.cu
-RUN mkdir /out && nvcc -O3 -std=c++17 -shared -Xcompiler -fPIC -lineinfo -split-compile=0 ${CUDA_GENCODE} \
+# --threads 0: the targets compile in parallel (the same output).
+RUN mkdir /out && nvcc -O3 -std=c++17 -shared -Xcompiler -fPIC -lineinfo -split-compile=0 --threads 0 ${CUDA_GENCODE} \
       -o /out/libvoxserve_fused.so /src/fused.cu
 
-FROM python:3.12-slim
+FROM ${PYTHON_BASE}
 RUN useradd --create-home --uid 10001 voxserve
+# PyPI's torch for Linux x86_64 is the CUDA build and carries its own CUDA libraries; the driver comes from the
+# host through the NVIDIA container runtime. TORCH_SPEC is used in the RUN, so it is part of that layer's cache
+# key: a build for another torch (torch==2.13.0+cpu from a CPU index) never reuses this layer. Its own layer,
+# before the sources, so that a change to the code does not install torch again.
+ARG TORCH_SPEC="torch==2.13.0"
+# DL3013: the version is in TORCH_SPEC.
+# hadolint ignore=DL3013
+RUN pip install --no-cache-dir "${TORCH_SPEC}"
 WORKDIR /opt/voxserve
 COPY pyproject.toml README.md ./
 COPY voxserve voxserve
@@ -21,12 +34,9 @@ COPY proto proto
 COPY server server
 COPY kernels kernels
 COPY client client
-# The CUDA build of PyTorch from PyPI carries its own CUDA libraries; the driver comes from the host
-# through the NVIDIA container runtime.
-ARG TORCH_VERSION=2.13.0
 # DL3013: "." is this project from source; its dependency ranges are in pyproject.toml.
 # hadolint ignore=DL3013
-RUN pip install --no-cache-dir "torch==${TORCH_VERSION}" ".[server]"
+RUN pip install --no-cache-dir ".[server]"
 COPY --from=kernel /out/libvoxserve_fused.so /opt/voxserve/lib/libvoxserve_fused.so
 ENV VOXSERVE_KERNEL_LIBRARY=/opt/voxserve/lib/libvoxserve_fused.so \
     PYTHONUNBUFFERED=1

@@ -6,7 +6,7 @@ TORCH_SPEC ?= torch==2.13.0
 CONSTRAINTS := .ci/constraints.txt
 BIN := $(VENV)/bin
 
-.PHONY: serve test lint kernel-check proto clean
+.PHONY: serve test lint kernel-check proto clean image image-test
 
 # The first run installs for a few minutes (PyTorch alone is hundreds of MB): each step says what it does, and
 # pip shows what it downloads and installs.
@@ -40,6 +40,26 @@ lint: $(BIN)/.installed
 ## proto: regenerate the protocol modules after editing proto/*.proto
 proto: $(BIN)/.installed
 	$(BIN)/python -m voxserve.proto.generate
+
+## image: build the image ($(IMAGE)) with podman (--format docker keeps the HEALTHCHECK) or docker, whichever is
+##        present. IMAGE_BASES=local builds on local stand-ins for the bases, made without a registry by
+##        deploy/local-bases/make.sh (podman), with IMAGE_TORCH=cpu (default) or cuda
+CONTAINER_ENGINE ?= $(shell command -v podman > /dev/null 2>&1 && echo podman || echo docker)
+IMAGE ?= voxserve
+IMAGE_BASES ?= registry
+IMAGE_TORCH ?= cpu
+IMAGE_BUILD_FLAGS ?=
+image:
+ifeq ($(IMAGE_BASES),local)
+	deploy/local-bases/make.sh
+endif
+	$(CONTAINER_ENGINE) build $(if $(findstring podman,$(CONTAINER_ENGINE)),--format docker) \
+	  $(if $(filter local,$(IMAGE_BASES)),$$(deploy/local-bases/make.sh --flags $(IMAGE_TORCH))) $(IMAGE_BUILD_FLAGS) -t $(IMAGE) .
+
+## image-test: build the image, run it (health, inference against float64, /metrics, HEALTHCHECK, drain on stop)
+##             and the compose pair (voxserve + Prometheus); skipped where podman/docker cannot run
+image-test: $(BIN)/.installed
+	$(BIN)/pytest -q tests/e2e/test_image.py tests/e2e/test_compose.py $(PYTEST_ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache
