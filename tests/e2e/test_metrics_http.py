@@ -5,7 +5,6 @@ from __future__ import annotations
 import gzip
 import socket
 import threading
-import time
 import urllib.request
 from collections.abc import Iterator
 
@@ -83,8 +82,10 @@ class _Stuck:
 
     def __init__(self) -> None:
         self.release = threading.Event()
+        self.entered = threading.Semaphore(0)  # one release per scrape being answered
 
     def collect(self):
+        self.entered.release()
         self.release.wait(GUARD_S)
         return []
 
@@ -97,9 +98,8 @@ def test_connections_being_answered_are_never_ended_and_the_rest_get_503(metrics
     try:
         for sock in scrapes:
             sock.sendall(b"GET /metrics HTTP/1.0\r\n\r\n")
-        deadline = time.monotonic() + GUARD_S
-        while metrics.http_server._reading and time.monotonic() < deadline:  # every request read
-            time.sleep(0.01)
+        for _ in scrapes:  # every place is answering one of them (not merely: no request half-read yet)
+            assert stuck.entered.acquire(timeout=GUARD_S)
         assert _raw_scrape(port).startswith(b"HTTP/1.0 503 ")
         stuck.release.set()
         assert all(_read_to_close(sock).startswith(b"HTTP/1.0 200 ") for sock in scrapes)
