@@ -211,13 +211,13 @@ def serve(settings: Settings) -> int:
     replicas = resolve_replicas(settings)
     frontends = resolve_frontends(settings, engines=replicas)
     if settings.frontends == AUTO:
-        logs.configure(settings.log_level)
+        logs.configure(settings.log_level, settings.log_format)
         log.info("--frontends auto: %d front ends (%.4g usable CPU cores%s)", frontends, usable_cpus(),
                  ", model on the CPU" if frontends == 0 else "")
     if replicas > 1 or frontends > 0:
         return supervise(dataclasses.replace(settings, replicas=replicas, frontends=frontends))
     settings = dataclasses.replace(settings, frontends=frontends)
-    logs.configure(settings.log_level)
+    logs.configure(settings.log_level, settings.log_format)
 
     async def main() -> int:
         try:

@@ -143,6 +143,11 @@ class Settings:
         "INFO",
         "DEBUG, INFO, WARNING or ERROR",
         check=(lambda v: v.upper() in ("DEBUG", "INFO", "WARNING", "ERROR"), "must be DEBUG, INFO, WARNING or ERROR"))
+    log_format: str = option(
+        "text",
+        "text (one line per record) or json (one JSON object per line: time, level, logger, message, pid, and the "
+        "request id, model and peer where a record has them)",
+        check=(lambda v: v in ("text", "json"), "must be text or json"))
     # empty: the defaults in server/metrics.py
     latency_buckets_s: str = option(
         "",

@@ -247,7 +247,7 @@ def _error_reply(req_id: int, exc: BaseException, model_name: str) -> bytes:
 
 def run_engine(settings: Settings, socket_path: str, index: int, stats_dir: str | None) -> int:
     """The engine process's main: load, serve until SIGTERM/SIGINT and the front ends' drain."""
-    logs.configure(settings.log_level)
+    logs.configure(settings.log_level, settings.log_format)
     engine = Engine(settings, socket_path, index, stats_dir)
     try:
         engine.load()

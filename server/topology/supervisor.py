@@ -197,7 +197,7 @@ def _gpu_count() -> int:
 
 def supervise(settings: Settings, command: Sequence[str] | None = None) -> int:
     """Run ``settings.replicas`` replicas until SIGTERM/SIGINT (passed on) or until one exits on its own."""
-    logs.configure(settings.log_level)
+    logs.configure(settings.log_level, settings.log_format)
     frontends = int(settings.frontends)  # resolved by the caller (never "auto" here)
     command = list(command) if command is not None else [sys.executable, "-m", "voxserve", "serve"]
     try:
