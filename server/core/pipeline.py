@@ -40,6 +40,7 @@ import time
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -149,6 +150,17 @@ class _Slot:
             fused_cuda.destroy_events(self.native_events)
 
 
+class _Batch(NamedTuple):
+    """A batch as submit takes it in: its slot, its sizes, its page-locked spans (None: staged) and its padding."""
+
+    slot: _Slot
+    samples: int
+    nbytes: int
+    direct: np.ndarray | None
+    padded_bytes: int
+    shape: tuple[int, ...]
+
+
 @dataclass
 class Pending:
     """One execution in flight: its slot, its events and what the host copy took."""
@@ -184,7 +196,6 @@ class CudaPipeline:
         self.depth = depth
         if self.native is not None:
             self._capture_stream = torch.cuda.Stream(self.device)
-            self._graph_max_bytes = graphs.max_input_bytes if graphs is not None else 0  # graphs up to this size
             self._max_graphs = graphs.max_graphs if graphs is not None else 0  # per slot
             self._seen: collections.Counter[tuple] = collections.Counter()  # graph keys run directly so far
             self.native_executions = 0  # executions enqueued by the native path, ever (tests read it)
@@ -218,25 +229,57 @@ class CudaPipeline:
             spans.append((address, a.nbytes))
         return np.array(spans, dtype=np.int64).reshape(-1, 2)
 
-    def _padded(self, arrays: list[np.ndarray], samples: int, nbytes: int) -> tuple[int, tuple[int, ...]]:
-        """The batch's bytes and shape once padded to its graph bucket (unpadded where no graph applies)."""
-        limit = self.graphs.max_input_bytes if self.graphs is not None else 0
-        padded = graph_bucket(samples, nbytes // samples, limit) if limit else samples
-        return nbytes // samples * padded, (padded, *arrays[0].shape[1:])
+    @property
+    def _graph_max_bytes(self) -> int:
+        """Batches up to this many input bytes run as graphs (0: none do)."""
+        return self.graphs.max_input_bytes if self.graphs is not None else 0
 
-    def _take_slot(self, wait: bool, nbytes: int, out_floats: int) -> _Slot | None:
-        """A free slot with room for ``nbytes`` of input and ``out_floats`` of output, waiting for one if ``wait``;
-        else None when all are in flight."""
+    def _begin(self, arrays: list[np.ndarray], wait: bool, max_host_copy: int | None) -> _Batch | None:
+        """The batch's sizes, its page-locked spans (None when it is staged), its padding to a graph bucket, and a
+        free slot with room for it (waiting for one if ``wait``). None when ``max_host_copy`` refuses it, or when no
+        slot is free and ``wait`` is False."""
+        samples = sum(int(a.shape[0]) for a in arrays)
+        nbytes = sum(a.nbytes for a in arrays)
+        # Sources already in page-locked memory (shared-memory inputs; a front end's arena, which the engine
+        # registers) go to the GPU in place, gathered by one call; otherwise they are merged into the slot's
+        # staging.
+        direct = self._page_locked_spans(arrays)
+        if direct is None and max_host_copy is not None and nbytes > max_host_copy:
+            return None
+        limit = self._graph_max_bytes
+        padded = graph_bucket(samples, nbytes // samples, limit) if limit else samples
+        padded_bytes, shape = nbytes // samples * padded, (padded, *arrays[0].shape[1:])
         try:
             slot = self._free.get(block=wait)
         except queue.Empty:
             return None
         try:
-            slot.reserve(nbytes, out_floats)
+            slot.reserve(padded_bytes, padded * self.cout)
         except BaseException:
             self._free.put(slot)
             raise
-        return slot
+        return _Batch(slot, samples, nbytes, direct, padded_bytes, shape)
+
+    def _stage(self, slot: _Slot, arrays: list[np.ndarray]) -> int:
+        """Copy 1: the arrays one after another into the slot's pinned staging; the nanoseconds it took."""
+        t0 = time.perf_counter_ns()
+        offset = 0
+        for src in self._sources(arrays):
+            if src.numel() >= PARALLEL_COPY_BYTES:  # torch's copy is multi-threaded for large tensors
+                slot.host[offset : offset + src.numel()].copy_(src)
+            else:  # one memcpy: cheaper than waking a thread pool on a busy machine
+                slot.host[offset : offset + src.numel()].numpy()[:] = src.numpy()
+            offset += src.numel()
+        return time.perf_counter_ns() - t0
+
+    def _count(self, direct: bool, nbytes: int, native: bool = False) -> None:
+        with self._lock:
+            if direct:
+                self.direct_bytes += nbytes
+            else:
+                self.staged_bytes += nbytes
+            if native:
+                self.native_executions += 1
 
     def submit(self, arrays: list[np.ndarray], datatype: str, wait_for_slot: bool = True, notify: bool = False,
                max_host_copy: int | None = None) -> Pending | None:
@@ -248,35 +291,14 @@ class CudaPipeline:
         the host (page-locked sources copy none)."""
         if self.native is not None:
             return self._submit_native(arrays, datatype, wait_for_slot, notify, max_host_copy)
-        samples = sum(int(a.shape[0]) for a in arrays)
-        nbytes = sum(a.nbytes for a in arrays)
-        # Sources already in page-locked memory (shared-memory inputs; a front end's arena, which the engine
-        # registers) go to the GPU in place, gathered by one call; otherwise they are merged into the slot's
-        # staging.
-        direct = self._page_locked_spans(arrays)
-        if direct is None and max_host_copy is not None and nbytes > max_host_copy:
+        batch = self._begin(arrays, wait_for_slot, max_host_copy)
+        if batch is None:
             return None
-        padded_bytes, shape = self._padded(arrays, samples, nbytes)
+        slot, samples, nbytes, direct, padded_bytes, shape = batch
         cout = self.cout
-        slot = self._take_slot(wait_for_slot, padded_bytes, shape[0] * cout)
-        if slot is None:
-            return None
         try:
-            t0 = time.perf_counter_ns()
-            if direct is None:
-                offset = 0
-                for src in self._sources(arrays):  # copy 1: into pinned memory
-                    if src.numel() >= PARALLEL_COPY_BYTES:  # torch's copy is multi-threaded for large tensors
-                        slot.host[offset : offset + src.numel()].copy_(src)
-                    else:  # one memcpy: cheaper than waking a thread pool on a busy machine
-                        slot.host[offset : offset + src.numel()].numpy()[:] = src.numpy()
-                    offset += src.numel()
-            host_copy_ns = time.perf_counter_ns() - t0
-            with self._lock:
-                if direct is None:
-                    self.staged_bytes += nbytes
-                else:
-                    self.direct_bytes += nbytes
+            host_copy_ns = self._stage(slot, arrays) if direct is None else 0
+            self._count(direct is not None, nbytes)
             events = slot.events
             h2d_start, h2d_end, start, end, done = events
             with torch.cuda.stream(self.copy_stream):
@@ -312,31 +334,21 @@ class CudaPipeline:
         input either."""
         assert self.native is not None
         arrays = [a if a.flags.c_contiguous else np.ascontiguousarray(a) for a in arrays]
-        samples = sum(int(a.shape[0]) for a in arrays)
-        nbytes = sum(a.nbytes for a in arrays)
-        spans = self._page_locked_spans(arrays)
+        batch = self._begin(arrays, wait_for_slot, max_host_copy)
+        if batch is None:
+            return None
+        slot, samples, nbytes, spans, padded_bytes, shape = batch
         locked = spans is not None
         if spans is None:
             spans = np.array([(a.__array_interface__["data"][0], a.nbytes) for a in arrays], dtype=np.int64)
-        if not locked and max_host_copy is not None and nbytes > max_host_copy:
-            return None
-        padded_bytes, shape = self._padded(arrays, samples, nbytes)
         cout = self.cout
-        slot = self._take_slot(wait_for_slot, padded_bytes, shape[0] * cout)
-        if slot is None:
-            return None
         try:
             ex = slot.execution
             host_copy_ns = 0
             if locked:
                 ex.stage = 0
             elif max(a.nbytes for a in arrays) >= PARALLEL_COPY_BYTES:  # torch's copy is multi-threaded
-                t0 = time.perf_counter_ns()
-                offset = 0
-                for src in self._sources(arrays):
-                    slot.host[offset : offset + src.numel()].copy_(src)
-                    offset += src.numel()
-                host_copy_ns = time.perf_counter_ns() - t0
+                host_copy_ns = self._stage(slot, arrays)
                 ex.stage = 2
             else:
                 ex.stage = 1  # a memcpy per request, in the library call
@@ -371,12 +383,7 @@ class CudaPipeline:
             fused_cuda.execute(ex)
             if ex.stage == 1:
                 host_copy_ns = ex.host_copy_ns
-            with self._lock:
-                if locked:
-                    self.direct_bytes += nbytes
-                else:
-                    self.staged_bytes += nbytes
-                self.native_executions += 1
+            self._count(locked, nbytes, native=True)
         except BaseException:
             self._free.put(slot)
             raise
