@@ -1,7 +1,7 @@
 # voxserve image: the fused kernel is compiled at image build time (nvcc, no GPU needed) and the
 # runtime image carries only Python, the CUDA build of PyTorch and the kernel library.
 #   docker build -t voxserve .
-#   docker run --gpus all -p 8001:8001 -p 8002:8002 voxserve
+#   docker run --gpus all -p 8000:8000 -p 8001:8001 -p 8002:8002 voxserve
 # Without a GPU the same image serves on the CPU. Minimum NVIDIA driver on the host: 580.65.06 (CUDA 13.0).
 # The bases are build arguments so that a registry-free build can name local stand-ins
 # (deploy/local-bases/make.sh); the defaults are the real images.
@@ -41,7 +41,7 @@ COPY --from=kernel /out/libvoxserve_fused.so /opt/voxserve/lib/libvoxserve_fused
 ENV VOXSERVE_KERNEL_LIBRARY=/opt/voxserve/lib/libvoxserve_fused.so \
     PYTHONUNBUFFERED=1
 USER 10001
-EXPOSE 8001 8002
+EXPOSE 8000 8001 8002
 # The port the server listens on: VOXSERVE_GRPC_PORT when set (the environment twin of --grpc-port), else 8001.
 HEALTHCHECK --interval=10s --timeout=5s --start-period=120s \
   CMD ["sh", "-c", "exec voxserve health --url \"localhost:${VOXSERVE_GRPC_PORT:-8001}\" --timeout-s 3"]

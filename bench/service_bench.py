@@ -7,7 +7,9 @@ Scenarios (all through `voxserve.client.bench.run_level`: pre-serialised request
   1. full-batch FP32 over gRPC: a trivial sink (the transport's ceiling), voxserve, Triton, MLServer;
   2. the same batch as FP16 on the wire (voxserve, Triton);
   3. the same batch in system shared memory (voxserve, Triton; a client on the same host);
-  4. batch-1 traffic at concurrency 64: voxserve with batching, without (--no-batching), Triton, MLServer.
+  4. batch-1 traffic at concurrency 64: voxserve with batching, without (--no-batching), Triton, MLServer;
+  5. the full batch and batch 1 over the REST form (bench/rest_load.py), the tensor as binary data (Triton's
+     extension) and as JSON numbers: voxserve's REST port, Triton's HTTP endpoint.
 With --frontends N, voxserve also runs with N gRPC front ends before its engine (rows of their own); the
 batch-1 client is --processes load processes over --connections connections, the same for every server.
 Triton (--triton: the nvidia-pytriton wheel's path, or an installed pytriton) runs voxserve's own model
@@ -39,7 +41,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
-from triton_peer.server import TritonUnavailable, triton_server  # bench/triton_peer/ (this script's folder)
+from rest_load import rest_body, run_rest_level  # bench/ (this script's folder)
+from triton_peer.server import TritonUnavailable, triton_server
 
 from voxserve.client import Client, build_request
 from voxserve.client.bench import LevelResult, raw_sink, run_level, run_level_processes, setup_shared_memory
@@ -102,6 +105,35 @@ def level(url: str, payload: bytes, samples: int, tensor_bytes: int, concurrency
     return asyncio.run(run_level(url, payload, samples, tensor_bytes, concurrency, **common))
 
 
+def rest_level(host_port: str, x: np.ndarray, binary: bool, concurrency: int, target: str, duration_s: float,
+               processes: int = 1, model: str = "voxnet") -> LevelResult:
+    """One level over the REST form: the tensor as binary data (Triton's extension) or as JSON numbers."""
+    body, json_length = rest_body(x, "FP32", binary)
+    kind = "binary" if binary else "JSON"
+    print(f"  {target} (REST {kind}): {len(x)} samples x c={concurrency}", file=sys.stderr, flush=True)
+    common = dict(duration_s=duration_s, requests=None, model=model, target=f"{target}, REST {kind}",
+                  timeout_s=300.0)
+    if processes > 1:
+        return run_level_processes(host_port, body, len(x), x.nbytes, concurrency, processes=processes,
+                                   statistics=False, driver=run_rest_level,
+                                   driver_options={"json_length": json_length}, **common)
+    return asyncio.run(run_rest_level(host_port, body, len(x), x.nbytes, concurrency, json_length=json_length,
+                                      **common))
+
+
+def rest_rows(args, out: dict[str, list[LevelResult]], host_port: str, full: np.ndarray, target: str,
+              model: str = "voxnet", json_rows: bool = True) -> None:
+    """A server's REST rows: full batches (binary; JSON at c=1: a 128-sample batch is ~60 MB of JSON) and batch 1
+    at c=64 (binary and JSON)."""
+    d, one = args.duration, full[:1].copy()
+    for c in args.full_concurrency:
+        out["rest_full"].append(rest_level(host_port, full, True, c, target, d, model=model))
+    if json_rows:
+        out["rest_full"].append(rest_level(host_port, full, False, 1, target, d, model=model))
+    for binary in (True, False) if json_rows else (True,):
+        out["rest_batch1"].append(rest_level(host_port, one, binary, 64, target, d, args.processes, model=model))
+
+
 def triton_rows(args, out: dict[str, list[LevelResult]], full: np.ndarray, notes: list[str]) -> None:
     """Triton's rows in every table, or a note saying why there are none."""
     one = full[:1].copy()
@@ -129,6 +161,7 @@ def triton_rows(args, out: dict[str, list[LevelResult]], full: np.ndarray, notes
             finally:
                 cleanup()
             out["batch1"].append(level(triton.url, single, 1, n1, 64, TRITON, d, *load, model=m32))
+            rest_rows(args, out, triton.http_url, full, TRITON, model=m32)
     except TritonUnavailable as exc:
         print(f"Triton's rows skipped: {exc}", file=sys.stderr, flush=True)
         notes.append(f"{TRITON}: skipped: {str(exc).splitlines()[0]}")
@@ -150,7 +183,8 @@ def run(args, notes: list[str], checkpoint: Callable[[dict[str, list[LevelResult
     n32, n16, n1 = full.nbytes, len(to_wire(full, "FP16")), one.nbytes
     d = args.duration
     load = (args.processes, args.connections)  # the batch-1 client, the same for every server
-    out: dict[str, list[LevelResult]] = {"full": [], "fp16": [], "shm": [], "batch1": []}
+    out: dict[str, list[LevelResult]] = {"full": [], "fp16": [], "shm": [], "batch1": [], "rest_full": [],
+                                         "rest_batch1": []}
     with raw_sink() as sink:
         for c in args.full_concurrency:
             out["full"].append(level(sink, fp32, args.batch, n32, c, "raw sink", d))
@@ -167,6 +201,7 @@ def run(args, notes: list[str], checkpoint: Callable[[dict[str, list[LevelResult
         finally:
             cleanup()
         out["batch1"].append(level(vox.url, single, 1, n1, 64, "voxserve", d, *load))
+        rest_rows(args, out, f"127.0.0.1:{vox.http_port}", full, "voxserve")
     with ServerProcess([*serve, "--no-batching"]) as vox:
         out["batch1"].append(level(vox.url, single, 1, n1, 64, "voxserve, no batching", d, *load))
     checkpoint(out)
@@ -185,6 +220,7 @@ def run(args, notes: list[str], checkpoint: Callable[[dict[str, list[LevelResult
             finally:
                 cleanup()
             out["batch1"].append(level(vox.url, single, 1, n1, 64, fe, d, *load))
+            rest_rows(args, out, f"127.0.0.1:{vox.http_port}", full, fe, json_rows=False)
         with ServerProcess([*serve, "--frontends", str(args.frontends), "--no-batching"]) as vox:
             out["batch1"].append(level(vox.url, single, 1, n1, 64, f"{fe}, no batching", d, *load))
         checkpoint(out)
@@ -216,7 +252,8 @@ def render(args, out: dict[str, list[LevelResult]], device: str, seconds: float,
              f"{', '.join(map(str, SAMPLE))}) for batch 1; {args.duration:.0f} s per level",
              *(f"- {note}" for note in notes), ""]
     titles = {"full": "Full batch, FP32 over gRPC", "fp16": "Full batch, FP16 on the wire",
-              "shm": "Full batch in system shared memory", "batch1": "Batch 1 at concurrency 64"}
+              "shm": "Full batch in system shared memory", "batch1": "Batch 1 at concurrency 64",
+              "rest_full": "Full batch, FP32 over REST", "rest_batch1": "Batch 1 over REST at concurrency 64"}
     for key, rows in out.items():
         lines += [f"## {titles[key]}", "", "| target | conc | req/s | samples/s | tensor MB/s | p50 ms | p90 ms | "
                   "p99 ms | errors |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
@@ -259,9 +296,11 @@ def render(args, out: dict[str, list[LevelResult]], device: str, seconds: float,
     lines.append(f"| vs MLServer, batch 1 at c=64 | {ratio(best_1, mls_1)} | >= 2x |")
     voxserve_targets = ("voxserve", fe) if args.frontends else ("voxserve",)
     for key in out:
-        ours = max((r for r in (_best(out[key], t) for t in voxserve_targets) if r), key=lambda r: r.rps, default=None)
+        targets = [f"{t}, REST binary" for t in voxserve_targets] if key.startswith("rest") else voxserve_targets
+        triton = f"{TRITON}, REST binary" if key.startswith("rest") else TRITON
+        ours = max((r for r in (_best(out[key], t) for t in targets) if r), key=lambda r: r.rps, default=None)
         lines.append(f"| vs Triton, {titles[key][0].lower()}{titles[key][1:]} (best level each) | "
-                     f"{ratio(ours, _best(out[key], TRITON))} | > 1x |")
+                     f"{ratio(ours, _best(out[key], triton))} | > 1x |")
     return "\n".join(lines) + "\n"
 
 

@@ -24,7 +24,7 @@ import queue
 import socket
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import asdict, dataclass, field
 
 import grpc
@@ -249,15 +249,14 @@ async def run_level(url: str, payload: bytes, samples: int, tensor_bytes: int, c
 
 def _level_process(results, url: str, payload: bytes, samples: int, tensor_bytes: int, concurrency: int,
                    duration_s: float | None, requests: int | None, model: str, target: str, timeout_s: float,
-                   credentials: Credentials, connections: int, streaming: bool, start) -> None:
+                   credentials: Credentials, connections: int, streaming: bool, start, driver, options) -> None:
     """One of --processes: connect, start with the others (``start``: a barrier of all of them and the
     parent), drive its share of the level, send back the result."""
     try:
-        r = asyncio.run(run_level(url, payload, samples, tensor_bytes, concurrency, duration_s=duration_s,
-                                  requests=requests, model=model, target=target, timeout_s=timeout_s,
-                                  credentials=credentials, connections=connections, statistics=False,
-                                  streaming=streaming,
-                                  ready=lambda: start.wait(START_TIMEOUT_S)))
+        r = asyncio.run(driver(url, payload, samples, tensor_bytes, concurrency, duration_s=duration_s,
+                               requests=requests, model=model, target=target, timeout_s=timeout_s,
+                               credentials=credentials, connections=connections, statistics=False,
+                               streaming=streaming, ready=lambda: start.wait(START_TIMEOUT_S), **options))
         results.put((r.requests, r.errors, r.wall_start, r.wall_end, r.latencies_ms, r.failures))
     except BaseException as exc:  # the parent must not wait for a result that will never come
         results.put(exc)
@@ -267,10 +266,13 @@ def _level_process(results, url: str, payload: bytes, samples: int, tensor_bytes
 def run_level_processes(url: str, payload: bytes, samples: int, tensor_bytes: int, concurrency: int, *,
                         processes: int, duration_s: float | None, requests: int | None, model: str, target: str,
                         timeout_s: float = 120.0, progress: bool = False, credentials: Credentials = PLAINTEXT,
-                        connections: int = 1, streaming: bool = False, statistics: bool = True) -> LevelResult:
-    """``run_level`` spread over ``processes`` load processes (each its own event loop and connections), for
-    servers that one Python client process cannot saturate; the workers, connections and requests are split
-    as evenly as they go and the latencies merged."""
+                        connections: int = 1, streaming: bool = False, statistics: bool = True,
+                        driver: Callable[..., Awaitable[LevelResult]] | None = None,
+                        driver_options: dict | None = None) -> LevelResult:
+    """``run_level`` (or ``driver``, a module-level coroutine function taking run_level's arguments and
+    ``driver_options``: another protocol's driver) spread over ``processes`` load processes (each its own event
+    loop and connections), for servers that one Python client process cannot saturate; the workers, connections
+    and requests are split as evenly as they go and the latencies merged."""
     processes = max(1, min(processes, concurrency))
     ctx = multiprocessing.get_context("spawn")
     results = ctx.Queue()
@@ -282,7 +284,7 @@ def run_level_processes(url: str, payload: bytes, samples: int, tensor_bytes: in
         reqs = None if requests is None else requests // processes + (i < requests % processes)
         children.append(ctx.Process(target=_level_process, daemon=True, args=(
             results, url, payload, samples, tensor_bytes, share, duration_s, reqs, model, target, timeout_s,
-            credentials, conns, streaming, start)))
+            credentials, conns, streaming, start, driver or run_level, driver_options or {})))
     before = asyncio.run(_stats_once(url, model, credentials)) if statistics else None
     for child in children:
         child.start()

@@ -17,6 +17,7 @@ from .metrics import Metrics, latency_buckets
 from .protocol.codec import ModelSpec
 from .protocol.control import ControlService
 from .protocol.inference import InferenceService
+from .protocol.rest import RestServer
 from .protocol.server import GrpcServer
 from .protocol.service import ServingState
 from .protocol.shm import SharedMemoryRegistry
@@ -34,8 +35,8 @@ STANDALONE = Role()
 
 
 class VoxServer:
-    """One voxserve process that serves gRPC: its model (in process, or in the engines of a front end), its gRPC
-    server and its metrics. ``role`` says which (standalone, one of --replicas, a front end of --frontends).
+    """One voxserve process that serves gRPC and REST: its model (in process, or in the engines of a front end),
+    its gRPC server, its REST server (unless --http-port -1) and its metrics. ``role`` says which (standalone, one of --replicas, a front end of --frontends).
 
     Construct it inside the event loop that will run it (grpc.aio binds to that loop).
 
@@ -60,7 +61,10 @@ class VoxServer:
         self.control = ControlService(self.state, settings.model_name, settings.model_version, self.shm)
         self.grpc = GrpcServer(settings, self.control, self.service, role.supervised, self._count_refused)
         self.limiter = self.grpc.limiter
+        self.rest = RestServer(settings, self.control, self.service, self.limiter, role.supervised,
+                               self._count_refused) if settings.http_port >= 0 else None
         self.port = 0
+        self.http_port = -1
         self.metrics_port = -1
         self._ready = asyncio.Event()
         self._load_task: asyncio.Task[None] | None = None
@@ -81,6 +85,7 @@ class VoxServer:
         s = self.settings
         if not self.role.supervised:  # its own ports must be free (a supervisor checked its children's)
             ports.ensure_free(s.host, s.grpc_port, "--grpc-port")
+            ports.ensure_free(s.host, s.http_port, "--http-port")
             if s.metrics_port > 0:
                 ports.ensure_free(s.host, s.metrics_port, "--metrics-port")
         self._weights = await asyncio.to_thread(read_weights, s, self.role, self.metrics)
@@ -91,8 +96,11 @@ class VoxServer:
             self.metrics_port = self.metrics.serve_http(s.host, s.metrics_port)
         await self._set_serving(False)
         await self.grpc.start()
-        log.info("listening: gRPC%s %s:%d%s, metrics %s (%s event loop)", " (mutual TLS)" if s.tls_client_ca else
-                 " (TLS)" if self.grpc.secure else "", s.host, self.port,
+        if self.rest is not None:
+            self.http_port = await self.rest.start(s.host, s.http_port)
+        tls = " (mutual TLS)" if s.tls_client_ca else " (TLS)" if self.grpc.secure else ""
+        log.info("listening: gRPC%s %s:%d, REST %s%s, metrics %s (%s event loop)", tls, s.host, self.port,
+                 f"{s.host}:{self.http_port}" if self.http_port >= 0 else "off",
                  ", bearer token required" if s.auth_token_file else "",
                  f"{s.host}:{self.metrics_port}" if self.metrics_port >= 0 else "off", eventloop.running())
         self._load_task = asyncio.create_task(self._load())
@@ -161,7 +169,8 @@ class VoxServer:
         while self.state.accepted > 0 and loop.time() < deadline:
             await asyncio.sleep(0.01)
         abandoned = self.state.accepted
-        await self.grpc.stop(max(0.0, deadline - loop.time()))
+        await asyncio.gather(self.grpc.stop(max(0.0, deadline - loop.time())),
+                             *([self.rest.stop()] if self.rest is not None else []))
         self.metrics.stop_http()
         if self._load_task is not None and not self._load_task.done():
             self._load_task.cancel()
@@ -191,6 +200,8 @@ class VoxServer:
         await asyncio.wait({ready_task, stop_task}, return_when=asyncio.FIRST_COMPLETED)
         if ready_task.done() and not ready_task.result():
             await self.grpc.stop(0)
+            if self.rest is not None:
+                await self.rest.stop()
             return 1
         await stop_task
         log.info("signal received")

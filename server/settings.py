@@ -42,6 +42,11 @@ class Settings:
         8001,
         "gRPC port (Open Inference Protocol, health, reflection); 0 picks a free port",
         check=(lambda v: 0 <= v <= 65535, "must be 0..65535"))
+    http_port: int = option(
+        8000,
+        "REST port (the Open Inference Protocol's HTTP/REST form with Triton's binary-tensor extension: "
+        "tritonclient.http, curl); 0 picks a free port, -1 disables",
+        check=(lambda v: -1 <= v <= 65535, "must be -1..65535"))
     metrics_port: int = option(
         8002,
         "Prometheus metrics port (HTTP /metrics); 0 picks a free one, -1 disables",
@@ -130,6 +135,11 @@ class Settings:
         "most bytes of shared-memory inputs copied into the server at once (over all requests in progress); a "
         "request waits for room, one larger than this alone gets RESOURCE_EXHAUSTED",
         check=(lambda v: v >= 1, "must be >= 1"))
+    http_body_timeout_s: float = option(
+        30.0,
+        "a REST request whose body sends nothing for this long is answered 408 (a stalled or trickling client "
+        "holds no slot for longer)",
+        check=(lambda v: v > 0, "must be > 0"))
     grace_period_s: float = option(
         30.0,
         "on SIGTERM/SIGINT: how long in-flight requests may take to finish before the server exits",

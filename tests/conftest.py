@@ -51,7 +51,8 @@ class ServerThread:
 
 @contextlib.contextmanager
 def running_server(**overrides) -> Iterator[ServerThread]:
-    settings = dataclasses.replace(Settings(host="127.0.0.1", grpc_port=0, metrics_port=0, device="cpu"), **overrides)
+    settings = dataclasses.replace(Settings(host="127.0.0.1", grpc_port=0, http_port=0, metrics_port=0, device="cpu"),
+                                   **overrides)
     srv = ServerThread(settings)
     try:
         yield srv
@@ -80,6 +81,7 @@ class ServeProcess:
     proc: subprocess.Popen
     grpc_port: int
     metrics_port: int
+    http_port: int
     log: str = ""  # the whole log, once the process has exited
 
     @property
@@ -93,12 +95,12 @@ def serve_process(log_path: Path, *flags: str) -> Iterator[ServeProcess]:
     running at the end, its log printed and kept in ``.log``."""
     from .e2e.test_lifecycle import _free_port
 
-    grpc_port, metrics_port = _free_port(), _free_port()
+    grpc_port, metrics_port, http_port = _free_port(), _free_port(), _free_port()
     log = open(log_path, "w+")  # noqa: SIM115 - the server process writes it until the end
     proc = subprocess.Popen([sys.executable, "-m", "voxserve", "serve", "--host", "127.0.0.1", "--grpc-port",
-                             str(grpc_port), "--metrics-port", str(metrics_port), *flags],
-                            cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
-    served = ServeProcess(proc, grpc_port, metrics_port)
+                             str(grpc_port), "--metrics-port", str(metrics_port), "--http-port", str(http_port),
+                             *flags], cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
+    served = ServeProcess(proc, grpc_port, metrics_port, http_port)
     try:
         yield served
     finally:

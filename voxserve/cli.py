@@ -306,12 +306,16 @@ def _check_serve_inputs(settings: Settings) -> None:
     from voxserve.server.protocol import security
     from voxserve.server.topology import ports
 
-    host, grpc_port, metrics_port = settings.host, settings.grpc_port, settings.metrics_port
-    if grpc_port > 0 and metrics_port == grpc_port:
-        raise UsageError(f"--metrics-port {metrics_port}: the same port as --grpc-port; give each its own")
+    host = settings.host
+    chosen = [(flag, port) for flag, port in (("--grpc-port", settings.grpc_port), ("--http-port", settings.http_port),
+                                              ("--metrics-port", settings.metrics_port))]
+    for i, (flag, port) in enumerate(chosen):
+        for earlier, earlier_port in chosen[:i]:
+            if port > 0 and port == earlier_port:
+                raise UsageError(f"{flag} {port}: the same port as {earlier}; give each its own")
     try:
-        ports.ensure_free(host, grpc_port, "--grpc-port")
-        ports.ensure_free(host, metrics_port, "--metrics-port")
+        for flag, port in chosen:
+            ports.ensure_free(host, port, flag)
         family, address = ports.bind_address(host)
         with socket.socket(family, socket.SOCK_STREAM) as probe:  # the address itself, whatever the ports
             probe.bind((address, 0))
@@ -331,6 +335,12 @@ def _check_serve_inputs(settings: Settings) -> None:
         raise UsageError(str(exc)) from None
     _check_tls_files(True, ("--tls-cert", settings.tls_cert or None),
                      ("--tls-key", settings.tls_key or None), ("--tls-client-ca", settings.tls_client_ca or None))
+    if settings.http_port >= 0:  # the REST port's TLS reads the same files (checked above, line by line)
+        try:
+            security.server_ssl_context(settings.tls_cert or None, settings.tls_key or None,
+                                        settings.tls_client_ca or None)
+        except security.SecurityConfigError as exc:
+            raise UsageError(str(exc)) from None
 
 
 def _read_input(path: str) -> np.ndarray:

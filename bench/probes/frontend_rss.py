@@ -45,7 +45,8 @@ def main() -> int:
     port = _free_port()
     proc = subprocess.Popen([sys.executable, "-m", "voxserve", "serve", "--device", args.device, "--frontends",
                              str(args.frontends), "--host", "127.0.0.1", "--grpc-port", str(port),
-                             "--metrics-port", "-1"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                             "--metrics-port", "-1", "--http-port", "-1"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         with Client(f"127.0.0.1:{port}", timeout_s=2) as client:
             deadline = time.monotonic() + 300

@@ -53,6 +53,7 @@ class TritonPeer:
     url: str  # host:port of Triton's gRPC endpoint
     models: dict[str, str]  # wire datatype -> model name (one model per input datatype)
     instances: int
+    http_url: str = ""  # host:port of its HTTP/REST endpoint
     version: str = ""
     log: Path = field(default=Path(), repr=False)
 
@@ -183,7 +184,7 @@ def triton_server(source: str | None = "auto", *, datatypes: tuple[str, ...] = (
         shutil.copy(stub, backend / "triton_python_backend_stub")
         repo = scratch / "models"
         _write_repository(repo, datatypes, instances, device, max_batch, cin, cout)
-        port = _free_port()
+        port, http_port = _free_port(), _free_port()
         env = dict(os.environ)
         env["LD_LIBRARY_PATH"] = os.pathsep.join(p for p in (libpython, str(libs), env.get("LD_LIBRARY_PATH"))
                                                  if p)
@@ -191,7 +192,8 @@ def triton_server(source: str | None = "auto", *, datatypes: tuple[str, ...] = (
         # imports first), through the first python3 on PATH; model.py appends the rest of sys.path.
         env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
         cmd = [str(binary), f"--model-repository={repo}", f"--backend-directory={scratch / 'backends'}",
-               "--grpc-address=127.0.0.1", f"--grpc-port={port}", "--allow-http=false", "--allow-metrics=false",
+               "--grpc-address=127.0.0.1", f"--grpc-port={port}", "--http-address=127.0.0.1",
+               f"--http-port={http_port}", "--allow-metrics=false",
                "--disable-auto-complete-config", "--exit-timeout-secs=10", "--log-verbose=0",
                f"--backend-config=python,shm-default-byte-size={PYTHON_BACKEND_SHM_BYTES}",
                f"--backend-config=python,shm-growth-byte-size={PYTHON_BACKEND_SHM_BYTES}"]
@@ -201,7 +203,8 @@ def triton_server(source: str | None = "auto", *, datatypes: tuple[str, ...] = (
                                     preexec_fn=_die_with_parent)
             url = f"127.0.0.1:{port}"
             try:
-                peer = TritonPeer(url, {dt: MODELS[dt][0] for dt in datatypes}, instances, log=log_path)
+                peer = TritonPeer(url, {dt: MODELS[dt][0] for dt in datatypes}, instances,
+                                  http_url=f"127.0.0.1:{http_port}", log=log_path)
                 deadline = time.monotonic() + ready_timeout_s
                 with Client(url, timeout_s=2) as c:
                     while True:

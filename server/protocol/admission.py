@@ -26,7 +26,7 @@ from collections.abc import AsyncIterator, Callable, Mapping
 
 import grpc
 
-from ..core.errors import exhausted
+from ..core.errors import ServingError, exhausted
 from .status import abort
 
 # A stream idle for this long may be ended to make room for another connection's call when the server is full:
@@ -102,15 +102,27 @@ class RpcLimiter:
         return grpc.method_handlers_generic_handler(
             name, {m: self.handler(f"/{name}/{m}", h) for m, h in handlers.items()})
 
-    async def _admit(self, method: str, context, streaming: bool) -> Call:
-        peer = context.peer() or ""
+    def admit(self, peer: str, method: str, streaming: bool = False) -> Call:
+        """Take a slot for a call of ``peer`` (one per connection) or raise the RESOURCE_EXHAUSTED refusal; give
+        it back with ``release``. The gRPC handlers call it through ``handler()``, the REST front end directly."""
         if self._active >= self.limit and not self._preempt_for(peer):
             self._on_refused(method)
-            await abort(context, self._refusal)
+            raise self._refusal
         call = Call(peer, streaming, asyncio.get_running_loop().time())
         self._by_peer.setdefault(peer, set()).add(call)
         self._active += 1
         return call
+
+    async def _admit(self, method: str, context, streaming: bool) -> Call:
+        try:
+            return self.admit(context.peer() or "", method, streaming)
+        except ServingError as exc:
+            await abort(context, exc)
+            raise  # (abort raises)
+
+    def release(self, call: Call) -> None:
+        """Give back the slot ``call`` holds."""
+        self._release(call)
 
     def _release(self, call: Call) -> None:
         if call.preempted is None:  # a preempted call gave its slot away already

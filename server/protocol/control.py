@@ -1,20 +1,21 @@
-"""The control RPCs of the GRPCInferenceService: liveness and readiness, server and model metadata, the model
-configuration, statistics, and system shared-memory registration. Cold paths: one call does little work."""
+"""The control RPCs of the Open Inference Protocol: liveness and readiness, server and model metadata, the model
+configuration, statistics, and system shared-memory registration. Cold paths: one call does little work.
+
+Each method takes the request message and returns the response message, or raises ServingError: no transport
+here. The gRPC service (``service.add_to_server``) and the REST front end (``rest.py``) call the same methods
+and turn a ServingError into their own status at their edge."""
 
 from __future__ import annotations
-
-import grpc
 
 from voxserve import __version__
 from voxserve.proto import config_pb, pb
 
-from ..core.errors import ServingError
+from ..core.errors import unimplemented
 from ..core.stats import Duration
 from . import codec
 from .codec import ModelSpec
 from .service import EXTENSIONS, PLATFORM, ServingState
 from .shm import SharedMemoryRegistry
-from .status import abort
 
 
 def _duration(d: Duration) -> pb.StatisticDuration:
@@ -31,22 +32,22 @@ class ControlService:
 
     # --- health and metadata -------------------------------------------------
 
-    async def ServerLive(self, request, context):
+    async def ServerLive(self, request):
         return pb.ServerLiveResponse(live=True)
 
-    async def ServerReady(self, request, context):
+    async def ServerReady(self, request):
         return pb.ServerReadyResponse(ready=self.state.ready)
 
-    async def ModelReady(self, request, context):
+    async def ModelReady(self, request):
         # A probe, open to callers without a token under --open-health: a wrong name learns nothing of what is served.
-        await self._check_model(request.name, request.version, context, reveal=False)
+        self._check_model(request.name, request.version, reveal=False)
         return pb.ModelReadyResponse(ready=self.state.ready)
 
-    async def ServerMetadata(self, request, context):
+    async def ServerMetadata(self, request):
         return pb.ServerMetadataResponse(name="voxserve", version=__version__, extensions=list(EXTENSIONS))
 
-    async def ModelMetadata(self, request, context):
-        spec = await self._check_model(request.name, request.version, context)
+    async def ModelMetadata(self, request):
+        spec = self._check_model(request.name, request.version)
         response = pb.ModelMetadataResponse(name=self.model_name, versions=[self.model_version], platform=PLATFORM)
         if spec is not None:
             # Each tensor once: generic v2 clients build one input per entry. FP16 and BF16 are accepted too
@@ -55,8 +56,8 @@ class ControlService:
             response.outputs.add(name=codec.OUTPUT_NAME, datatype="FP32", shape=[-1, spec.cout])
         return response
 
-    async def ModelConfig(self, request, context):
-        spec = await self._check_model(request.name, request.version, context)
+    async def ModelConfig(self, request):
+        spec = self._check_model(request.name, request.version)
         config = config_pb.ModelConfig(name=self.model_name, platform=PLATFORM, backend="voxserve",
                                        max_batch_size=self.state.max_batch)
         if spec is not None:
@@ -77,9 +78,9 @@ class ControlService:
         config.parameters["accepted_input_datatypes"].string_value = "FP32,FP16,BF16"
         return pb.ModelConfigResponse(config=config)
 
-    async def ModelStatistics(self, request, context):
+    async def ModelStatistics(self, request):
         if request.name:
-            await self._check_model(request.name, request.version, context)
+            self._check_model(request.name, request.version)
         s = self.state.stats.combined()  # with --replicas: every replica's figures
         stats = pb.ModelStatistics(
             name=self.model_name, version=self.model_version, last_inference=s.last_inference_ms,
@@ -96,34 +97,28 @@ class ControlService:
 
     # --- system shared memory ----------------------------------------------------
 
-    async def SystemSharedMemoryRegister(self, request, context):
-        await self._shm_call(context, self.shm.register, request.name, request.key, request.offset,
+    async def SystemSharedMemoryRegister(self, request):
+        self._shm_call(self.shm.register, request.name, request.key, request.offset,
                              request.byte_size)
         return pb.SystemSharedMemoryRegisterResponse()
 
-    async def SystemSharedMemoryUnregister(self, request, context):
-        await self._shm_call(context, self.shm.unregister, request.name)
+    async def SystemSharedMemoryUnregister(self, request):
+        self._shm_call(self.shm.unregister, request.name)
         return pb.SystemSharedMemoryUnregisterResponse()
 
-    async def SystemSharedMemoryStatus(self, request, context):
-        regions = await self._shm_call(context, self.shm.status, request.name)
+    async def SystemSharedMemoryStatus(self, request):
+        regions = self._shm_call(self.shm.status, request.name)
         response = pb.SystemSharedMemoryStatusResponse()
         for r in regions:
             response.regions[r.name].CopyFrom(pb.SystemSharedMemoryStatusResponse.RegionStatus(
                 name=r.name, key=r.key, offset=r.offset, byte_size=r.byte_size))
         return response
 
-    async def _shm_call(self, context, fn, *args):
+    def _shm_call(self, fn, *args):
         if self.shm is None:
-            await context.abort(grpc.StatusCode.UNIMPLEMENTED, "this server does not offer system shared memory")
-        try:
-            return fn(*args)
-        except ServingError as exc:
-            await abort(context, exc)
+            raise unimplemented("this server does not offer system shared memory")
+        return fn(*args)
 
-    async def _check_model(self, name: str, version: str, context, reveal: bool = True) -> ModelSpec | None:
-        try:
-            codec.check_model(self.model_name, self.model_version, name, version, reveal)
-        except ServingError as exc:
-            await abort(context, exc)
+    def _check_model(self, name: str, version: str, reveal: bool = True) -> ModelSpec | None:
+        codec.check_model(self.model_name, self.model_version, name, version, reveal)
         return self.state.spec

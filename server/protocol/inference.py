@@ -98,7 +98,7 @@ class InferenceService:
             self.metrics.count_request(code.name)
             await self._abort(context, code, "the request message was not received")
         try:
-            return await self._infer(parsed, deadline, slack_s)
+            return await self.infer(parsed, deadline, slack_s)
         except ServingError as exc:
             await self._abort(context, exc.code, exc.message)
 
@@ -206,7 +206,7 @@ class InferenceService:
 
     async def _stream_answer(self, request: InferRequest | MalformedRequest) -> pb.ModelStreamInferResponse:
         try:
-            return pb.ModelStreamInferResponse(infer_response=await self._infer(request))
+            return pb.ModelStreamInferResponse(infer_response=await self.infer(request))
         except ServingError as exc:
             response = pb.ModelStreamInferResponse(error_message=f"{exc.code.name}: {exc.message}")
             if isinstance(request, InferRequest):  # which request it answers, as a response would say
@@ -218,7 +218,7 @@ class InferenceService:
     def _draining_message(self) -> str:
         return f"model '{self.model_name}' is shutting down; retry on another replica"
 
-    async def _infer(self, parsed: InferRequest | MalformedRequest, deadline: float | None = None,
+    async def infer(self, parsed: InferRequest | MalformedRequest, deadline: float | None = None,
                      cancel_slack_s: float = DEADLINE_SLACK_S) -> pb.ModelInferResponse:
         """One request, start to finish, counted exactly once under the code its client is sent. ``deadline``:
         the call's, in event-loop time (a stream's requests have none of their own); a cancellation within

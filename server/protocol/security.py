@@ -1,4 +1,6 @@
-"""Transport security and authentication: TLS / mutual TLS server credentials and a bearer-token interceptor.
+"""Transport security and authentication: TLS / mutual TLS server credentials and a bearer-token interceptor,
+for the gRPC port; the REST port (``rest.py``) takes the same files (``server_ssl_context``) and tokens
+(``BearerTokens``, from an ``Authorization: Bearer`` header).
 
 - TLS (``--tls-cert``/``--tls-key``) encrypts the gRPC port; with ``--tls-client-ca`` every client must
   present a certificate signed by that CA. gRPC checks client certificates during the TLS handshake, so a
@@ -16,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import logging
+import ssl
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
@@ -85,33 +88,70 @@ def load_tokens(path: str) -> list[bytes]:
     return tokens
 
 
-class TokenAuthInterceptor(grpc.aio.ServerInterceptor):
-    """Admit an RPC only with ``authorization: Bearer <one of the tokens>``; else UNAUTHENTICATED.
+def server_ssl_context(cert_file: str | None, key_file: str | None,
+                       client_ca_file: str | None) -> ssl.SSLContext | None:
+    """The REST port's TLS, from the same files as the gRPC port's (``server_credentials`` has checked them
+    first): TLS 1.2 or later, and with ``client_ca_file`` a client certificate it signed is required."""
+    if not cert_file or not key_file:
+        return None
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    context.minimum_version = ssl.TLSVersion.TLSv1_2
+    # OpenSSL's security policy applies here (gRPC's TLS library has its own): a key it deems too weak for the REST
+    # port is refused at start-up, naming the way out, rather than served on one port and not the other.
+    hint = "use a stronger key and certificate, or --http-port -1 to serve gRPC only"
+    try:
+        context.load_cert_chain(cert_file, key_file)
+    except (OSError, ssl.SSLError) as exc:
+        raise SecurityConfigError(f"--tls-cert {cert_file} with --tls-key {key_file}: the REST port cannot serve "
+                                  f"them ({getattr(exc, 'reason', None) or exc}); {hint}") from None
+    if client_ca_file:
+        try:
+            context.load_verify_locations(client_ca_file)
+        except (OSError, ssl.SSLError) as exc:
+            raise SecurityConfigError(f"--tls-client-ca {client_ca_file}: the REST port cannot use it "
+                                      f"({getattr(exc, 'reason', None) or exc}); {hint}") from None
+        context.verify_mode = ssl.CERT_REQUIRED
+    return context
 
-    Tokens are compared as SHA-256 digests with ``hmac.compare_digest`` against every accepted token, so
-    the time taken depends on neither the presented token's length nor how much of it matched.
-    """
 
-    def __init__(self, tokens: list[bytes], open_methods: frozenset[str] = frozenset(),
-                 on_reject: Callable[[str], None] | None = None) -> None:
+class BearerTokens:
+    """The accepted bearer tokens, checked in constant time: tokens are compared as SHA-256 digests with
+    ``hmac.compare_digest`` against every accepted token, so the time taken depends on neither the presented
+    token's length nor how much of it matched."""
+
+    def __init__(self, tokens: list[bytes]) -> None:
         self._digests = [hashlib.sha256(t).digest() for t in tokens]
-        self._open = open_methods
-        self._on_reject = on_reject or (lambda method: None)
 
-    def _admits(self, metadata) -> bool:
+    def admits(self, authorization: str | bytes | None) -> bool:
+        """Whether an ``authorization`` value (``Bearer <token>``, the scheme in any case) carries an accepted
+        token."""
         presented = b""
-        for key, value in metadata or ():
-            if key == "authorization":
-                raw = value.encode("latin-1", "replace") if isinstance(value, str) else value
-                scheme, _, token = raw.partition(b" ")
-                if scheme.lower() == b"bearer":
-                    presented = token.strip()
-                break
+        if authorization:
+            raw = authorization.encode("latin-1", "replace") if isinstance(authorization, str) else authorization
+            scheme, _, token = raw.partition(b" ")
+            if scheme.lower() == b"bearer":
+                presented = token.strip()
         digest = hashlib.sha256(presented).digest()
         ok = False
         for accepted in self._digests:
             ok |= hmac.compare_digest(digest, accepted)
         return ok and bool(presented)
+
+
+class TokenAuthInterceptor(grpc.aio.ServerInterceptor):
+    """Admit an RPC only with ``authorization: Bearer <one of the tokens>``; else UNAUTHENTICATED."""
+
+    def __init__(self, tokens: list[bytes], open_methods: frozenset[str] = frozenset(),
+                 on_reject: Callable[[str], None] | None = None) -> None:
+        self._tokens = BearerTokens(tokens)
+        self._open = open_methods
+        self._on_reject = on_reject or (lambda method: None)
+
+    def _admits(self, metadata) -> bool:
+        for key, value in metadata or ():
+            if key == "authorization":
+                return self._tokens.admits(value)
+        return False
 
     async def intercept_service(self, continuation: Callable[[grpc.HandlerCallDetails], Awaitable],
                                 handler_call_details: grpc.HandlerCallDetails):

@@ -49,13 +49,16 @@ class ServingState:
 
 @dataclass(frozen=True)
 class MalformedRequest:
-    """Stands in for a request whose bytes are not a valid protobuf message."""
+    """Stands in for a request whose bytes are not a valid message (protobuf, or a REST body): it goes through the
+    inference path like any request, to be answered INVALID_ARGUMENT and counted once. ``detail``: what is wrong,
+    where the parser can say."""
 
     type_name: str
     nbytes: int
+    detail: str = ""
 
     def error(self) -> ServingError:
-        return ServingError(Status.INVALID_ARGUMENT,
+        return ServingError(Status.INVALID_ARGUMENT, self.detail or
                             f"request body ({self.nbytes} bytes) is not a valid {self.type_name} message")
 
 
@@ -84,7 +87,8 @@ def add_to_server(control: ControlService, inference: InferenceService, server: 
     """
     handlers = {}
     for method in pb.DESCRIPTOR.services_by_name["GRPCInferenceService"].methods:
-        behavior = getattr(control, method.name, None) or getattr(inference, method.name, None)
+        control_behavior = getattr(control, method.name, None)
+        behavior = _control_rpc(control_behavior) if control_behavior else getattr(inference, method.name, None)
         if behavior is None:  # not offered: gRPC answers UNIMPLEMENTED
             continue
         request_cls = GetMessageClass(method.input_type)
@@ -98,6 +102,17 @@ def add_to_server(control: ControlService, inference: InferenceService, server: 
         else:
             handlers[method.name] = grpc.unary_unary_rpc_method_handler(_reject_malformed(behavior), **kwargs)
     server.add_generic_rpc_handlers((limiter.service(SERVICE_NAME, handlers),))
+
+
+def _control_rpc(behavior):
+    """A control method (request -> response, or ServingError) as a gRPC handler."""
+    async def handle(request, context):
+        try:
+            return await behavior(request)
+        except ServingError as exc:
+            await abort(context, exc)
+
+    return handle
 
 
 def _reject_malformed(behavior):

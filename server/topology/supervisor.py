@@ -1,4 +1,5 @@
-"""``--replicas N``: N server processes behind one gRPC port, one per GPU by default with ``--devices``.
+"""``--replicas N``: N server processes behind one gRPC port (and one REST port), one per GPU by default with
+``--devices``.
 
 One Python process reaches a ceiling of executions per second whatever the GPUs can take (measured on
 2x H200, bench/results/multi-gpu-h200x2.md: one process driving both GPUs moved fewer samples than one
@@ -21,7 +22,7 @@ channels (``voxserve bench --connections``).
 
 If a replica exits on its own, the supervisor stops the others and exits non-zero, so the orchestrator
 restarts the whole server; SIGTERM/SIGINT are passed on and each replica drains as a single server does.
-A gRPC or metrics port that another server holds ends the supervisor (exit 1) before it binds or starts
+A gRPC, REST or metrics port that another server holds ends the supervisor (exit 1) before it binds or starts
 anything: its replicas share only the port group it created (server/topology/ports.py).
 """
 
@@ -97,9 +98,10 @@ def replica_devices(settings: Settings, replicas: int, gpu_count: int) -> list[t
 
 
 def child_environment(settings: Settings, role: Role, device: str, devices: str, port: int,
-                      base: dict[str, str] | None = None) -> dict[str, str]:
+                      base: dict[str, str] | None = None, http_port: int = -1) -> dict[str, str]:
     """The environment of a child in ``role``: every setting as its VOXSERVE_* twin (so no flag needs
-    re-spelling), with its own device, the shared port, no metrics port of its own and one replica."""
+    re-spelling), with its own device, the shared gRPC and REST ports (-1: none), no metrics port of its own and
+    one replica."""
     env = dict(os.environ if base is None else base)
     for field in dataclasses.fields(Settings):
         value = getattr(settings, field.name)
@@ -111,6 +113,7 @@ def child_environment(settings: Settings, role: Role, device: str, devices: str,
         env_name("device"): device,
         env_name("devices"): devices,
         env_name("grpc_port"): str(port),
+        env_name("http_port"): str(http_port),
         env_name("metrics_port"): "-1",
         env_name("replicas"): "1",
         env_name("frontends"): "0",
@@ -204,6 +207,7 @@ def supervise(settings: Settings, command: Sequence[str] | None = None) -> int:
         # Before anything binds: the reserved socket below sets SO_REUSEPORT and would join a port that
         # another server holds instead of failing on it.
         ensure_free(settings.host, settings.grpc_port, "--grpc-port")
+        ensure_free(settings.host, settings.http_port, "--http-port")
         ensure_free(settings.host, settings.metrics_port, "--metrics-port")
     except PortInUse as exc:
         log.error("start-up failed: %s", exc)
@@ -213,6 +217,8 @@ def supervise(settings: Settings, command: Sequence[str] | None = None) -> int:
     os.makedirs(os.path.join(run_dir, "regions"))
     reserved = reserve_port(settings.host, settings.grpc_port)
     port = reserved.getsockname()[1]
+    reserved_http = reserve_port(settings.host, settings.http_port) if settings.http_port >= 0 else None
+    http_port = reserved_http.getsockname()[1] if reserved_http is not None else -1
     children: list[subprocess.Popen] = []
     stopping = threading.Event()
     metrics_server = None
@@ -226,14 +232,18 @@ def supervise(settings: Settings, command: Sequence[str] | None = None) -> int:
         for i, (device, devices) in enumerate(assignments):
             role = Role(ENGINE, run_dir, str(i), engine_socket=sockets[i]) if settings.frontends else \
                 Role(REPLICA, run_dir, str(i))
-            children.append(subprocess.Popen(command, env=child_environment(settings, role, device, devices, port)))
+            # Engines serve no client: only replicas and front ends take the ports.
+            env = child_environment(settings, role, device, devices, port,
+                                    http_port=-1 if settings.frontends else http_port)
+            children.append(subprocess.Popen(command, env=env))
             log.info("%s %d (pid %d) on %s%s", "engine" if settings.frontends else "replica", i, children[-1].pid,
-                     devices or device, "" if settings.frontends else f", gRPC port {port}")
+                     devices or device, "" if settings.frontends else f", gRPC port {port}, REST port {http_port}")
         for j in range(frontends):
-            env = child_environment(settings, Role(FRONTEND, run_dir, f"frontend-{j}", tuple(sockets)), "cpu", "", port)
+            env = child_environment(settings, Role(FRONTEND, run_dir, f"frontend-{j}", tuple(sockets)), "cpu", "", port,
+                                    http_port=http_port)
             env["CUDA_VISIBLE_DEVICES"] = ""  # a front end never touches a GPU: it terminates RPCs, talks to engines
             children.append(subprocess.Popen(command, env=env))
-            log.info("front end %d (pid %d), gRPC port %d", j, children[-1].pid, port)
+            log.info("front end %d (pid %d), gRPC port %d, REST port %d", j, children[-1].pid, port, http_port)
 
         stop_by: list[float] = []  # when children still running after a stop began are killed
 
@@ -273,6 +283,8 @@ def supervise(settings: Settings, command: Sequence[str] | None = None) -> int:
         if metrics_server is not None:
             metrics_server.close()
         reserved.close()
+        if reserved_http is not None:
+            reserved_http.close()
         shutil.rmtree(run_dir, ignore_errors=True)
 
 

@@ -155,7 +155,8 @@ def test_weights_convert_of_a_missing_file(tmp_path, capsys):
 
 def _serve(*flags: str) -> subprocess.CompletedProcess:
     """``voxserve serve`` on loopback (CPU), run until it exits; one that starts serving fails the test."""
-    proc = subprocess.Popen([sys.executable, "-m", "voxserve", "serve", "--device", "cpu", *flags], cwd=REPO,
+    proc = subprocess.Popen([sys.executable, "-m", "voxserve", "serve", "--device", "cpu", "--http-port", "0",
+                             *flags], cwd=REPO,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         out, err = proc.communicate(timeout=GUARD_S)
@@ -173,10 +174,11 @@ def _assert_usage_error(result: subprocess.CompletedProcess, *names: str) -> Non
 
 
 @pytest.mark.parametrize("topology", [[], ["--frontends", "2"]])
-@pytest.mark.parametrize("flag", ["--grpc-port", "--metrics-port"])
+@pytest.mark.parametrize("flag", ["--grpc-port", "--http-port", "--metrics-port"])
 def test_serve_on_a_port_a_running_server_holds(server, flag, topology):
-    port = server.port if flag == "--grpc-port" else server.server.metrics_port
-    ports = {"--grpc-port": "0", "--metrics-port": "0", flag: str(port)}
+    port = {"--grpc-port": server.port, "--http-port": server.server.http_port,
+            "--metrics-port": server.server.metrics_port}[flag]
+    ports = {"--grpc-port": "0", "--http-port": "0", "--metrics-port": "0", flag: str(port)}
     result = _serve("--host", "127.0.0.1", *(word for pair in ports.items() for word in pair), *topology)
     _assert_usage_error(result, flag, f"port {port} on 127.0.0.1 is in use")
 
@@ -208,6 +210,14 @@ def test_serve_with_one_port_for_grpc_and_metrics(serve_in_process, topology):
         port = sock.getsockname()[1]
     serve_in_process("--host", "127.0.0.1", "--grpc-port", port, "--metrics-port", port, *topology,
                      names=(f"--metrics-port {port}", "--grpc-port"))
+
+
+def test_serve_with_one_port_for_grpc_and_rest(serve_in_process):
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    serve_in_process("--host", "127.0.0.1", "--grpc-port", port, "--http-port", port, "--metrics-port", "-1",
+                     names=(f"--http-port {port}", "--grpc-port"))
 
 
 @pytest.mark.parametrize("host", ["192.0.2.1", "no-such-host.invalid"])  # (192.0.2.0/24: TEST-NET, not ours)
@@ -250,9 +260,8 @@ def test_serve_with_files_it_cannot_use(serve_in_process, bad_files, case):
     serve_in_process("--host", "127.0.0.1", "--grpc-port", "0", "--metrics-port", "-1", *flags, names=tuple(names))
 
 
-def test_the_tls_check_refuses_only_what_cannot_be_used(tmp_path, monkeypatch):
-    """A certificate gRPC serves with is let through, a weak (1024-bit RSA) one included: the check is whether
-    the files parse and match, not OpenSSL's security policy."""
+def _self_signed(tmp_path, bits: int) -> tuple[str, str]:
+    """A self-signed certificate for localhost with an RSA key of ``bits``: (certificate file, key file)."""
     import datetime
 
     from cryptography import x509
@@ -260,9 +269,7 @@ def test_the_tls_check_refuses_only_what_cannot_be_used(tmp_path, monkeypatch):
     from cryptography.hazmat.primitives.asymmetric import rsa
     from cryptography.x509.oid import NameOID
 
-    import voxserve.server.app
-
-    key = rsa.generate_private_key(public_exponent=65537, key_size=1024)
+    key = rsa.generate_private_key(public_exponent=65537, key_size=bits)
     name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "localhost")])
     now = datetime.datetime.now(datetime.timezone.utc)
     cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
@@ -271,11 +278,29 @@ def test_the_tls_check_refuses_only_what_cannot_be_used(tmp_path, monkeypatch):
     (tmp_path / "c.pem").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
     (tmp_path / "k.pem").write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
                                                        serialization.NoEncryption()))
+    return str(tmp_path / "c.pem"), str(tmp_path / "k.pem")
+
+
+def test_the_tls_check_refuses_only_what_cannot_be_used(tmp_path, monkeypatch):
+    """A certificate gRPC serves with is let through, a weak (1024-bit RSA) one included: the check is whether
+    the files parse and match, not OpenSSL's security policy (gRPC only here: the REST port's is OpenSSL's)."""
+    import voxserve.server.app
+
+    cert, key = _self_signed(tmp_path, 1024)
     started = []
     monkeypatch.setattr(voxserve.server.app, "serve", lambda settings: started.append(settings) or 0)
-    assert main(["serve", "--device", "cpu", "--host", "127.0.0.1", "--grpc-port", "0", "--metrics-port", "-1",
-                 "--tls-cert", str(tmp_path / "c.pem"), "--tls-key", str(tmp_path / "k.pem")]) == 0
+    assert main(["serve", "--device", "cpu", "--host", "127.0.0.1", "--grpc-port", "0", "--http-port", "-1",
+                 "--metrics-port", "-1", "--tls-cert", cert, "--tls-key", key]) == 0
     assert len(started) == 1
+
+
+def test_the_rest_port_refuses_a_key_openssl_deems_too_weak(tmp_path, serve_in_process):
+    """The REST port's TLS is OpenSSL's, whose policy refuses a 1024-bit RSA key that gRPC serves: one line at
+    start-up naming the files and the way out, not a server serving TLS on one port and failing on the other."""
+    cert, key_file = _self_signed(tmp_path, 1024)
+    line = serve_in_process("--host", "127.0.0.1", "--grpc-port", "0", "--http-port", "0", "--metrics-port", "-1",
+                            "--tls-cert", cert, "--tls-key", key_file, names=(f"--tls-cert {cert}", "--http-port -1"))
+    assert "REST port" in line
 
 
 # ---- health says why

@@ -86,7 +86,7 @@ def test_compose_wires_server_prometheus_and_grafana():
     compose = yaml.safe_load((DEPLOY / "docker-compose.yml").read_text())
     services = compose["services"]
     assert services["voxserve"]["gpus"] == "all"
-    assert {"8001:8001", "8002:8002"} <= set(services["voxserve"]["ports"])
+    assert {"8000:8000", "8001:8001", "8002:8002"} <= set(services["voxserve"]["ports"])
     for service in ("prometheus", "grafana"):
         for volume in services[service]["volumes"]:
             source = volume.split(":")[0]

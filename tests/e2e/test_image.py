@@ -6,6 +6,7 @@ key carries TORCH_SPEC. Skipped, with the reason, where neither podman nor docke
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import re
 import shlex
@@ -42,6 +43,7 @@ class Container:
     health: list[str]
     metrics: str
     stop: list[str]
+    http_port: int
 
     @property
     def url(self) -> str:
@@ -55,10 +57,11 @@ class Container:
         return run([self.engine, "inspect", "--format", template, self.name]).stdout.strip()
 
 
-def _localise(command: str, engine: str, name: str, grpc_port: int, metrics_port: int) -> str:
+def _localise(command: str, engine: str, name: str, grpc_port: int, metrics_port: int, http_port: int) -> str:
     """A README command with this test's engine, ports and container name; every README command must match one of
     the forms below, so that the block cannot drift from what runs here."""
     for old, new in (("-p 8001:8001", f"-p {grpc_port}:8001"), ("-p 8002:8002", f"-p {metrics_port}:8002"),
+                     ("-p 8000:8000", f"-p {http_port}:8000"),
                      ("localhost:8001", f"localhost:{grpc_port}"), ("localhost:8002", f"localhost:{metrics_port}"),
                      ("--name voxserve ", f"--name {name} ")):
         command = command.replace(old, new)
@@ -76,16 +79,17 @@ def container():
     commands = containers.readme_docker_commands()
     assert commands[0] == "make image", commands
     name = f"voxserve-test-{os.getpid()}"
-    grpc_port, metrics_port = free_port(), free_port()
-    local = [_localise(c, engine, name, grpc_port, metrics_port) for c in commands[1:]]
+    grpc_port, metrics_port, http_port = free_port(), free_port(), free_port()
+    local = [_localise(c, engine, name, grpc_port, metrics_port, http_port) for c in commands[1:]]
     assert len(local) == 4, local
     start, health, metrics, stop = local
-    assert start == f"{engine} run -d --name {name} -p {grpc_port}:8001 -p {metrics_port}:8002 voxserve", start
+    assert start == (f"{engine} run -d --name {name} -p {http_port}:8000 -p {grpc_port}:8001 -p {metrics_port}:8002 "
+                     f"voxserve"), start
     assert health == f"voxserve health --url localhost:{grpc_port}", health
     assert metrics.startswith(f"curl -fsS localhost:{metrics_port}/metrics"), metrics
     assert re.fullmatch(rf"{engine} stop( -t \d+)? {name}", stop), stop
     health_argv = [containers.voxserve_cli(), *shlex.split(health)[1:], "--timeout-s", "3"]
-    box = Container(engine, image, name, grpc_port, metrics_port, health_argv, metrics, shlex.split(stop))
+    box = Container(engine, image, name, grpc_port, metrics_port, health_argv, metrics, shlex.split(stop), http_port)
     run(shlex.split(start))
     try:
         deadline = time.monotonic() + READY_TIMEOUT_S
@@ -114,6 +118,12 @@ def test_the_container_serves_health_inference_and_metrics(container):
     assert re.search(r'^voxserve_model_ready\{model="voxnet"\} 1\.0$', scrape.stdout, re.M), scrape.stdout
     body = run(["curl", "-fsS", f"localhost:{container.metrics_port}/metrics"]).stdout
     assert re.search(r'^voxserve_requests_total\{code="OK",model="voxnet"\} [1-9]', body, re.M), body[-3000:]
+    # The REST port is published as the README says, and answers the same.
+    request = json.dumps({"inputs": [{"name": "input", "datatype": "FP32", "shape": list(x.shape),
+                                      "data": x.ravel().tolist()}]})
+    answer = run(["curl", "-fsS", f"localhost:{container.http_port}/v2/models/voxnet/infer", "--data-binary", "@-"],
+                 input=request).stdout
+    np.testing.assert_array_equal(np.asarray(json.loads(answer)["outputs"][0]["data"], np.float32).reshape(2, 16), y)
 
 
 def test_the_healthcheck_is_in_the_image_and_reports_healthy(container):

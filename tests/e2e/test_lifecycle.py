@@ -68,7 +68,7 @@ def server_process(tmp_path):
     env = dict(os.environ, VOXSERVE_GRACE_PERIOD_S="60")  # an environment twin, on purpose
     proc = subprocess.Popen(
         [sys.executable, "-m", "voxserve", "serve", "--host", "127.0.0.1", "--grpc-port", str(grpc_port),
-         "--metrics-port", str(metrics_port), "--device", "cpu"],
+         "--metrics-port", str(metrics_port), "--http-port", "0", "--device", "cpu"],
         cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=env)
     try:
         yield proc, f"127.0.0.1:{grpc_port}", metrics_port, log
@@ -137,7 +137,7 @@ def test_bad_weights_fail_start_with_exit_2(tmp_path):
     bad.write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00{}      ")
     proc = subprocess.run(
         [sys.executable, "-m", "voxserve", "serve", "--weights", str(bad), "--grpc-port", "0", "--metrics-port", "-1",
-         "--device", "cpu"], cwd=REPO, capture_output=True, text=True, timeout=120)
+         "--http-port", "-1", "--device", "cpu"], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
     assert "missing tensor(s) conv.weight, conv.bias" in proc.stderr
 

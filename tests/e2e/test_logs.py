@@ -37,7 +37,8 @@ def test_json_records_carry_their_fields_context_and_traceback():
 def test_every_process_logs_json_lines(frontends):
     port = _free_port()
     proc = subprocess.Popen([sys.executable, "-m", "voxserve", "serve", "--device", "cpu", "--host", "127.0.0.1",
-                             "--grpc-port", str(port), "--metrics-port", "-1", "--log-format", "json",
+                             "--grpc-port", str(port), "--http-port", "0", "--metrics-port", "-1",
+                             "--log-format", "json",
                              "--frontends", frontends], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True)
     lines = []

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -45,6 +46,30 @@ def test_shared_memory_example(server, tmp_path):
         assert np.allclose(c.infer(x), probs, rtol=1e-5, atol=1e-7)
         assert c.system_shared_memory_status() == {}
     assert not any(Path("/dev/shm", unique).exists() for unique in segments.values())
+
+
+def test_rest_curl_example(server, tmp_path):
+    """The curl lines run as written against the REST port: ready, the metadata, an inference whose 16
+    probabilities sum to 1 and match gRPC's answer for the same input."""
+    blocks = [b for b in re.findall(r"^```bash\n(.*?)^```$", README, re.DOTALL | re.MULTILINE)
+              if "localhost:8000/v2/health/ready" in b]
+    assert len(blocks) == 1
+    script = blocks[0].replace("localhost:8000", f"127.0.0.1:{server.server.http_port}")
+    assert "localhost" not in script
+    proc = subprocess.run(["bash", "-e", "-o", "pipefail", "-c", script], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    ready, rest = proc.stdout.split("\n", 1)
+    assert ready == "200"
+    metadata, end = json.JSONDecoder().raw_decode(rest)  # curl prints the two bodies one after the other
+    answer = json.loads(rest[end:])
+    assert metadata["inputs"][0]["name"] == "input"
+    probs = np.asarray(answer["outputs"][0]["data"], np.float32)
+    assert probs.shape == (16,) and abs(probs.sum() - 1) < 1e-5
+    from voxserve.client import Client
+
+    with Client(server.url) as c:
+        np.testing.assert_array_equal(c.infer(np.full((1, 3, 3, 3, 3), 0.5, np.float32))[0], probs)
 
 
 def test_readme_says_what_the_skipped_tests_need():

@@ -291,7 +291,8 @@ def test_unusable_weights_stop_start_up_before_any_port_opens(tmp_path, content,
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    settings = Settings(host="127.0.0.1", grpc_port=port, metrics_port=-1, device="cpu", weights=str(path))
+    settings = Settings(host="127.0.0.1", grpc_port=port, http_port=0, metrics_port=-1, device="cpu",
+                        weights=str(path))
 
     async def start() -> None:
         await VoxServer(settings).start()

@@ -196,14 +196,15 @@ def test_bad_security_settings_stop_start_up(pki, tmp_path, overrides, message):
     (tmp_path / "notpem").write_text("hello")
     files = {"CERT": str(pki["server"].cert), "CA": str(pki["ca"]), "SHORT": str(tmp_path / "short"),
              "EMPTY": str(tmp_path / "empty"), "NOTPEM": str(tmp_path / "notpem")}
-    settings = Settings(grpc_port=0, metrics_port=-1, device="cpu",
+    settings = Settings(grpc_port=0, http_port=-1, metrics_port=-1, device="cpu",
                         **{k: files.get(v, v) for k, v in overrides.items()})
     with pytest.raises(SecurityConfigError, match=message.replace("(", r"\(")):
         VoxServer(settings)
 
 
 def test_serve_exits_2_with_the_reason(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "voxserve", "serve", "--grpc-port", "0", "--metrics-port", "-1",
+    proc = subprocess.run([sys.executable, "-m", "voxserve", "serve", "--grpc-port", "0", "--http-port", "-1",
+                           "--metrics-port", "-1",
                            "--device", "cpu", "--auth-token-file", str(tmp_path / "missing")], cwd=REPO,
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and "--auth-token-file" in proc.stderr and "cannot be read" in proc.stderr

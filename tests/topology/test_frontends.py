@@ -5,9 +5,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
+import json
 import os
 import re
 import signal
+import urllib.request
 import uuid
 
 import grpc
@@ -394,6 +396,15 @@ def test_usable_cpus_follow_the_cgroup_quota(tmp_path):
 # --- the whole server: two front ends and an engine ------------------------------------------------------
 
 
+def _rest_infer(port: int, x: np.ndarray) -> tuple[int, np.ndarray]:
+    body = json.dumps({"inputs": [{"name": "input", "shape": list(x.shape), "datatype": "FP32",
+                                   "data": x.ravel().tolist()}]}).encode()
+    with urllib.request.urlopen(urllib.request.Request(f"http://127.0.0.1:{port}/v2/models/voxnet/infer", body),
+                                timeout=60) as response:
+        doc = json.loads(response.read())
+        return response.status, np.asarray(doc["outputs"][0]["data"], np.float32).reshape(doc["outputs"][0]["shape"])
+
+
 def test_two_front_ends_and_an_engine_behind_one_port(tmp_path):
     rng = np.random.default_rng()
     with serve_process(tmp_path / "server.log", "--device", "cpu", "--frontends", "2", "--frontend-arena-bytes",
@@ -419,7 +430,11 @@ def test_two_front_ends_and_an_engine_behind_one_port(tmp_path):
                 y = c.infer_shared_memory(x.shape, "fe_in")
                 assert relative_error(torch.from_numpy(y), _ref(x)) <= 1e-5
             clients[3].unregister_system_shared_memory("fe_in")
-        expected = 2 * 2 * len(clients) + len(big)
+        # REST: the front ends share the supervisor's REST port too (a connection per request here).
+        for _ in range(12):
+            status, y = _rest_infer(srv.http_port, x)
+            assert status == 200 and relative_error(torch.from_numpy(y), _ref(x)) <= 1e-5
+        expected = 2 * 2 * len(clients) + len(big) + 2 * 12
         def published() -> bool:  # executions are counted by the engine, requests by the front ends
             stats = clients[2].model_statistics()
             return stats.inference_count == expected and 0 < stats.execution_count <= expected

@@ -34,7 +34,8 @@ def reuseport_listener(host: str = "127.0.0.1") -> Iterator[int]:
 def _serve(*flags: str) -> subprocess.CompletedProcess:
     """``voxserve serve`` on loopback with these flags, run until it exits (killed past GUARD_S: a failure)."""
     proc = subprocess.Popen([sys.executable, "-m", "voxserve", "serve", "--host", "127.0.0.1", "--device", "cpu",
-                             *flags], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                             "--http-port", "0", *flags], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
     try:
         out, _ = proc.communicate(timeout=GUARD_S)
     except subprocess.TimeoutExpired:
@@ -95,6 +96,14 @@ def test_supervisor_refuses_a_grpc_port_another_server_holds():
     _assert_refused(result, "--grpc-port", port)
 
 
+def test_supervisor_refuses_an_http_port_another_server_holds():
+    """An HTTP port that another server holds with SO_REUSEPORT (as the replicas' own REST sockets do): joining
+    it would split the clients between the two servers."""
+    with reuseport_listener() as port:
+        result = _serve("--replicas", "2", "--grpc-port", "0", "--http-port", str(port), "--metrics-port", "-1")
+    _assert_refused(result, "--http-port", port)
+
+
 def test_supervisor_refuses_a_metrics_port_another_server_holds():
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
@@ -104,11 +113,12 @@ def test_supervisor_refuses_a_metrics_port_another_server_holds():
     _assert_refused(result, "--metrics-port", port)
 
 
-@pytest.mark.parametrize("flag", ["--grpc-port", "--metrics-port"])
+@pytest.mark.parametrize("flag", ["--grpc-port", "--http-port", "--metrics-port"])
 def test_second_server_refuses_the_ports_of_a_running_server(flag):
     """A single-process server on a port that a running voxserve holds exits 2 with one line naming the flag."""
     with running_server() as srv:
-        port = srv.port if flag == "--grpc-port" else srv.server.metrics_port
-        ports = {"--grpc-port": "0", "--metrics-port": "-1", flag: str(port)}
+        port = {"--grpc-port": srv.port, "--http-port": srv.server.http_port,
+                "--metrics-port": srv.server.metrics_port}[flag]
+        ports = {"--grpc-port": "0", "--http-port": "0", "--metrics-port": "-1", flag: str(port)}
         result = _serve(*(word for pair in ports.items() for word in pair))
     _assert_refused(result, flag, port)

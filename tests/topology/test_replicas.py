@@ -233,7 +233,8 @@ def test_a_replica_that_cannot_start_stops_the_server(tmp_path):
     weights = tmp_path / "bad.safetensors"
     weights.write_bytes(b"not safetensors")
     proc = subprocess.run([sys.executable, "-c", SERVE_UNCHECKED, "serve", "--host", "127.0.0.1", "--grpc-port", "0",
-                           "--metrics-port", "-1", "--device", "cpu", "--replicas", "2", "--weights", str(weights)],
+                           "--http-port", "0", "--metrics-port", "-1", "--device", "cpu", "--replicas", "2",
+                           "--weights", str(weights)],
                           cwd=REPO, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 1
     assert "stopping the others" in proc.stderr or proc.stderr.count("start-up failed") == 2, proc.stderr[-2000:]

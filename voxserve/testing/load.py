@@ -69,12 +69,12 @@ class ServerProcess:
     """``voxserve serve`` on free loopback ports in a child process; waits until it reports ready."""
 
     def __init__(self, args: list[str], env: dict[str, str] | None = None, ready_timeout_s: float = 180.0) -> None:
-        self.grpc_port, self.metrics_port = free_port(), free_port()
+        self.grpc_port, self.metrics_port, self.http_port = free_port(), free_port(), free_port()
         self.url = f"127.0.0.1:{self.grpc_port}"
         self._log = tempfile.NamedTemporaryFile("w+", prefix="voxserve-", suffix=".log")  # noqa: SIM115
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "voxserve", "serve", "--host", "127.0.0.1", "--grpc-port", str(self.grpc_port),
-             "--metrics-port", str(self.metrics_port), *args],
+             "--metrics-port", str(self.metrics_port), "--http-port", str(self.http_port), *args],
             stdout=self._log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
         self._wait_ready(ready_timeout_s)
 

@@ -1,0 +1,367 @@
+"""The REST front end: the Open Inference Protocol's HTTP/REST form (KServe v2) with Triton's binary-tensor
+extension, on ``--http-port`` (8000, Triton's layout), beside gRPC in every process that serves gRPC.
+
+It serves through the same pieces as gRPC: the control RPCs (``ControlService``), the inference path
+(``InferenceService.infer``, so the same validation, batching, deadlines, shared memory, statistics and metrics),
+the bearer tokens and TLS files, and the RPC limit (``--max-concurrent-rpcs`` counts gRPC calls and REST requests
+together, each connection a peer). Only the translation is its own (``rest_codec.py``), and the map from the
+server's statuses to HTTP's, with the error as ``{"error": "<message>"}``.
+
+Routes (Triton's):
+  GET  /v2/health/live, /v2/health/ready                          200, or 400 when not ({"live": ...})
+  GET  /v2                                                        server metadata
+  GET  /v2/models/{model}[/versions/{version}]                    model metadata
+  GET  /v2/models/{model}[/versions/{version}]/ready              200, or 400 when not
+  GET  /v2/models/{model}[/versions/{version}]/config             model configuration
+  GET  /v2/models[/{model}[/versions/{version}]]/stats            statistics
+  POST /v2/models/{model}[/versions/{version}]/infer              inference
+  GET  /v2/systemsharedmemory[/region/{region}]/status            system shared memory
+  POST /v2/systemsharedmemory/region/{region}/register            body {"key", "offset", "byte_size"}
+  POST /v2/systemsharedmemory[/region/{region}]/unregister
+
+Bodies are read into one buffer of their announced length (the binary tensors are then viewed in it, not
+copied), at most --max-message-bytes (413 above), and a body that stalls for --http-body-timeout-s is answered
+408. Compressed bodies are refused (415) before any byte is inflated, as gRPC's are by default. JSON bodies of
+more than JSON_INLINE_BYTES are parsed off the event loop, one --max-message-bytes' worth at a time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import Awaitable, Callable
+
+from aiohttp import web
+
+from voxserve.proto import pb
+
+from ..core.errors import ServingError, Status, invalid, shown
+from ..settings import Settings
+from . import rest_codec, security
+from .admission import ByteBudget, RpcLimiter
+from .control import ControlService
+from .inference import InferenceService
+from .service import MalformedRequest
+from .wire import InferRequest
+
+log = logging.getLogger(__name__)
+
+# google.rpc's mapping of the canonical codes to HTTP statuses (google/rpc/code.proto). Triton's REST server
+# agrees where it has the code; it answers 400 for UNKNOWN and CANCELLED, which name no client error here.
+HTTP_STATUS = {
+    Status.OK: 200, Status.CANCELLED: 499, Status.UNKNOWN: 500, Status.INVALID_ARGUMENT: 400,
+    Status.DEADLINE_EXCEEDED: 504, Status.NOT_FOUND: 404, Status.ALREADY_EXISTS: 409, Status.PERMISSION_DENIED: 403,
+    Status.RESOURCE_EXHAUSTED: 429, Status.FAILED_PRECONDITION: 400, Status.ABORTED: 409, Status.OUT_OF_RANGE: 400,
+    Status.UNIMPLEMENTED: 501, Status.INTERNAL: 500, Status.UNAVAILABLE: 503, Status.DATA_LOSS: 500,
+    Status.UNAUTHENTICATED: 401,
+}  # fmt: skip
+JSON_INLINE_BYTES = 64 * 1024  # larger JSON is parsed in a thread: the event loop serves everyone else meanwhile
+OPEN_ROUTES = frozenset({"ServerLive", "ServerReady", "ModelReady"})  # --open-health: probes without a token
+INFER_ROUTE = "ModelInfer"
+METHOD_PREFIX = "/v2/rest/"  # how a route is named to on_refused (gRPC's "/service/Method")
+_DENIED = "missing or invalid credentials: send 'Authorization: Bearer <token>'"
+
+
+class HttpError(ServingError):
+    """A ServingError whose HTTP status is not the code's own (413, 415, 408): counted under ``code``."""
+
+    def __init__(self, code: Status, http_status: int, message: str) -> None:
+        super().__init__(code, message)
+        self.http_status = http_status
+
+
+def http_status(exc: ServingError) -> int:
+    return exc.http_status if isinstance(exc, HttpError) else HTTP_STATUS[exc.code]
+
+
+def _json(doc, status: int = 200) -> web.Response:
+    return web.Response(body=json.dumps(doc, separators=(",", ":")), status=status, content_type="application/json")
+
+
+def error_response(status: int, message: str, headers: dict[str, str] | None = None) -> web.Response:
+    """An error as the REST form sends it: the HTTP status and ``{"error": message}``."""
+    response = _json({"error": message}, status)
+    if headers:
+        response.headers.update(headers)
+    return response
+
+
+class RestServer:
+    """An aiohttp server for the REST form. Construct it inside the event loop that will run it; ``start`` binds
+    and serves, ``stop`` closes. ``on_refused(code_name, method)`` hears of each request refused before its
+    handler ran (a bad token, the RPC limit), as GrpcServer's does. ``shares_port``: one of a supervisor's
+    processes, which share its port (SO_REUSEPORT)."""
+
+    def __init__(self, settings: Settings, control: ControlService, inference: InferenceService,
+                 limiter: RpcLimiter, shares_port: bool, on_refused: Callable[[str, str], None]) -> None:
+        self.settings = settings
+        self.control = control
+        self.inference = inference
+        self.limiter = limiter
+        self.shares_port = shares_port
+        self._on_refused = on_refused
+        self._tokens = (security.BearerTokens(security.load_tokens(settings.auth_token_file))
+                        if settings.auth_token_file else None)
+        self._ssl = security.server_ssl_context(settings.tls_cert or None, settings.tls_key or None,
+                                                settings.tls_client_ca or None)
+        # JSON tensors become Python numbers first (several times their text's size): one body's worth at a time.
+        self._json_budget = ByteBudget(settings.max_message_bytes, "REST JSON body", "--max-message-bytes")
+        self.app = web.Application(middlewares=[self._guard], client_max_size=settings.max_message_bytes)
+        self._rpc_of: dict[web.AbstractRoute, str] = {}  # each route's name: the RPC it is the REST form of
+        self._add_routes()
+        self._runner: web.AppRunner | None = None
+
+    @property
+    def secure(self) -> bool:
+        return self._ssl is not None
+
+    def _add_routes(self) -> None:
+        model = "/v2/models/{model}"
+        versioned = "/v2/models/{model}/versions/{version}"
+        routes: list[tuple[str, str, str, Callable[[web.Request], Awaitable[web.StreamResponse]]]] = [
+            ("GET", "/v2/health/live", "ServerLive", self._server_live),
+            ("GET", "/v2/health/ready", "ServerReady", self._server_ready),
+            ("GET", "/v2", "ServerMetadata", self._server_metadata),
+            ("GET", "/v2/models/stats", "ModelStatistics", self._statistics),  # before {model} would take it
+            ("GET", "/v2/systemsharedmemory/status", "SystemSharedMemoryStatus", self._shm_status),
+            ("GET", "/v2/systemsharedmemory/region/{region}/status", "SystemSharedMemoryStatus", self._shm_status),
+            ("POST", "/v2/systemsharedmemory/region/{region}/register", "SystemSharedMemoryRegister",
+             self._shm_register),
+            ("POST", "/v2/systemsharedmemory/unregister", "SystemSharedMemoryUnregister", self._shm_unregister),
+            ("POST", "/v2/systemsharedmemory/region/{region}/unregister", "SystemSharedMemoryUnregister",
+             self._shm_unregister),
+        ]
+        for prefix in (model, versioned):
+            routes += [
+                ("GET", prefix, "ModelMetadata", self._model_metadata),
+                ("GET", f"{prefix}/ready", "ModelReady", self._model_ready),
+                ("GET", f"{prefix}/config", "ModelConfig", self._model_config),
+                ("GET", f"{prefix}/stats", "ModelStatistics", self._statistics),
+                ("POST", f"{prefix}/infer", INFER_ROUTE, self._infer),
+            ]
+        for method, path, rpc, handler in routes:
+            route = self.app.router.add_route(method, path, handler)
+            self._rpc_of[route] = rpc
+
+    # --- lifecycle ---------------------------------------------------------------
+
+    async def start(self, host: str, port: int) -> int:
+        """Listen on host:port (0: a free port) and serve; the port bound."""
+        self._runner = web.AppRunner(
+            self.app, handle_signals=False, access_log=None,
+            auto_decompress=False,  # a compressed body is refused unread (415), never inflated
+            handler_cancellation=True,  # a client that goes away cancels its request, as on gRPC
+            # The drain has waited for every accepted request by the time the server stops: what is left (a body
+            # still arriving, a probe) is given this long.
+            shutdown_timeout=1.0)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, host.strip("[]"), port, ssl_context=self._ssl,
+                           reuse_port=True if self.shares_port else None, backlog=1024)
+        await site.start()
+        return self._runner.addresses[0][1]
+
+    async def stop(self) -> None:
+        """Stop accepting connections and close them."""
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+
+    # --- the edge: tokens, the RPC limit, errors ---------------------------------
+
+    @web.middleware
+    async def _guard(self, request: web.Request, handler) -> web.StreamResponse:
+        rpc = self._rpc_of.get(request.match_info.route)
+        method = f"{METHOD_PREFIX}{rpc or 'unknown'}"
+        if self._tokens is not None and not (self.settings.open_health and rpc in OPEN_ROUTES) \
+                and not self._tokens.admits(request.headers.get("Authorization")):
+            self._on_refused(Status.UNAUTHENTICATED.name, method)  # an unknown route too: no route list leaks
+            return error_response(401, _DENIED, {"WWW-Authenticate": "Bearer"})
+        try:
+            call = self.limiter.admit(_peer(request), method)
+        except ServingError as exc:
+            return error_response(HTTP_STATUS[exc.code], exc.message)
+        try:
+            return await handler(request)
+        except ServingError as exc:
+            return error_response(http_status(exc), exc.message)
+        except web.HTTPException as exc:
+            if exc.status < 400:
+                raise
+            return error_response(exc.status, f"{request.method} {shown(request.path)}: {exc.reason}")
+        finally:
+            self.limiter.release(call)
+
+    # --- health, metadata, configuration, statistics -----------------------------
+
+    # Health: the status says it (200, or 400 when not: tritonclient reads that), and the body says it too
+    # ({"live": true}: KServe's client reads that).
+    async def _server_live(self, request: web.Request) -> web.Response:
+        live = (await self.control.ServerLive(pb.ServerLiveRequest())).live
+        return _json({"live": live}, 200 if live else 400)
+
+    async def _server_ready(self, request: web.Request) -> web.Response:
+        ready = (await self.control.ServerReady(pb.ServerReadyRequest())).ready
+        return _json({"ready": ready}, 200 if ready else 400)
+
+    async def _server_metadata(self, request: web.Request) -> web.Response:
+        return _json(rest_codec.message_json(await self.control.ServerMetadata(pb.ServerMetadataRequest())))
+
+    async def _model_ready(self, request: web.Request) -> web.Response:
+        names = _model(request)
+        ready = (await self.control.ModelReady(pb.ModelReadyRequest(**names))).ready
+        return _json({"name": names["name"], "ready": ready}, 200 if ready else 400)
+
+    async def _model_metadata(self, request: web.Request) -> web.Response:
+        response = await self.control.ModelMetadata(pb.ModelMetadataRequest(**_model(request)))
+        return _json(rest_codec.message_json(response))
+
+    async def _model_config(self, request: web.Request) -> web.Response:
+        # Triton's REST form sends the configuration itself, not wrapped in {"config": ...}.
+        response = await self.control.ModelConfig(pb.ModelConfigRequest(**_model(request)))
+        return _json(rest_codec.message_json(response.config))
+
+    async def _statistics(self, request: web.Request) -> web.Response:
+        names = _model(request) if "model" in request.match_info else {}
+        response = await self.control.ModelStatistics(pb.ModelStatisticsRequest(**names))
+        return _json(rest_codec.message_json(response))
+
+    # --- system shared memory --------------------------------------------------------
+
+    async def _shm_status(self, request: web.Request) -> web.Response:
+        response = await self.control.SystemSharedMemoryStatus(
+            pb.SystemSharedMemoryStatusRequest(name=request.match_info.get("region", "")))
+        # Triton's REST form: a list of the regions, not the gRPC map.
+        return _json([rest_codec.message_json(region) for region in response.regions.values()])
+
+    async def _shm_register(self, request: web.Request) -> web.Response:
+        body = await self._small_json(request)
+        key = body.get("key")
+        offset, byte_size = body.get("offset", 0), body.get("byte_size")
+        if not isinstance(key, str):
+            raise invalid("the register body's 'key' must be a string (the segment's name)")
+        for name, value in (("offset", offset), ("byte_size", byte_size)):
+            if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < 1 << 64:
+                raise invalid(f"the register body's '{name}' must be an integer >= 0")
+        await self.control.SystemSharedMemoryRegister(pb.SystemSharedMemoryRegisterRequest(
+            name=request.match_info["region"], key=key, offset=offset, byte_size=byte_size))
+        return web.Response(status=200)
+
+    async def _shm_unregister(self, request: web.Request) -> web.Response:
+        await self.control.SystemSharedMemoryUnregister(
+            pb.SystemSharedMemoryUnregisterRequest(name=request.match_info.get("region", "")))
+        return web.Response(status=200)
+
+    async def _small_json(self, request: web.Request) -> dict:
+        body = await self._read_body(request, limit=JSON_INLINE_BYTES)
+        try:
+            doc = json.loads(bytes(body))
+        except (ValueError, RecursionError):
+            raise invalid("the request body is not valid JSON") from None
+        if not isinstance(doc, dict):
+            raise invalid("the request body must be a JSON object")
+        return doc
+
+    # --- inference -------------------------------------------------------------------
+
+    async def _infer(self, request: web.Request) -> web.Response:
+        loop = asyncio.get_running_loop()
+        names = _model(request)
+        metrics = self.inference.metrics
+        try:
+            body = await self._read_body(request)
+        except ServingError as exc:
+            metrics.count_request(exc.code.name)
+            raise
+        except asyncio.CancelledError:
+            metrics.count_request(Status.CANCELLED.name)
+            raise
+        header_length = request.headers.get(rest_codec.HEADER_LENGTH)
+        json_bytes = len(body) if header_length is None else min(len(body), _int_or(header_length, 0))
+        try:
+            if json_bytes <= JSON_INLINE_BYTES:
+                decoded = rest_codec.parse_infer(body, header_length, names["name"], names["version"])
+            else:
+                await self._json_budget.acquire(json_bytes)
+                try:
+                    decoded = await asyncio.to_thread(rest_codec.parse_infer, body, header_length, names["name"],
+                                                      names["version"])
+                finally:
+                    self._json_budget.release(json_bytes)
+        except ServingError as exc:  # answered by the inference path, so that it is counted as every request is
+            parsed: InferRequest | MalformedRequest = MalformedRequest("REST inference request",
+                                                                                  len(body), exc.message)
+            binary_outputs: frozenset[str] | None = frozenset()
+            timeout_s = None
+        else:
+            parsed, binary_outputs, timeout_s = decoded.request, decoded.binary_outputs, decoded.timeout_s
+        deadline = None if timeout_s is None else loop.time() + timeout_s
+        response = await self.inference.infer(parsed, deadline)
+        body_out, json_length = rest_codec.encode_infer(response, binary_outputs)
+        if json_length is None:
+            return web.Response(body=body_out, content_type="application/json")
+        return web.Response(body=body_out, content_type="application/octet-stream",
+                            headers={rest_codec.HEADER_LENGTH: str(json_length)})
+
+    async def _read_body(self, request: web.Request, limit: int | None = None) -> bytearray:
+        """The request's body, in one buffer of its announced length (the chunks are copied in as they arrive).
+        413 over ``limit`` (--max-message-bytes by default), 415 if compressed, 408 if it stalls, 400 if short."""
+        limit = self.settings.max_message_bytes if limit is None else limit
+        encoding = request.headers.get("Content-Encoding", "identity").strip().lower()
+        if encoding != "identity":
+            raise HttpError(Status.UNIMPLEMENTED, 415, f"Content-Encoding '{shown(encoding)}' is not accepted: send "
+                                                       f"the body uncompressed")
+        length = request.content_length
+        if length is not None and length > limit:
+            raise _too_large(length, limit)
+        buffer = bytearray(length or 0)
+        view = memoryview(buffer)
+        received = 0
+        timeout_s = self.settings.http_body_timeout_s
+        while True:
+            try:
+                chunk = await asyncio.wait_for(request.content.readany(), timeout_s)
+            except asyncio.TimeoutError:
+                raise HttpError(Status.DEADLINE_EXCEEDED, 408,
+                                f"the body sent nothing for {timeout_s:g} s (--http-body-timeout-s) after "
+                                f"{received} bytes") from None
+            if not chunk:
+                break
+            end = received + len(chunk)
+            if length is None:  # chunked: grows, up to the limit
+                if end > limit:
+                    raise _too_large(end, limit)
+                buffer.extend(chunk)
+                view = memoryview(buffer)
+            elif end > length:  # aiohttp stops at Content-Length: not reached, but never write past the buffer
+                raise invalid(f"the body is longer than its Content-Length {length}")
+            else:
+                view[received:end] = chunk
+            received = end
+        if length is not None and received != length:
+            raise invalid(f"the body ended after {received} of its {length} bytes (Content-Length)")
+        return buffer
+
+
+def _too_large(nbytes: int, limit: int) -> HttpError:
+    return HttpError(Status.RESOURCE_EXHAUSTED, 413,
+                     f"the request body is {nbytes} bytes; at most {limit} are accepted (--max-message-bytes)")
+
+
+def _int_or(text: str, default: int) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        return default
+
+
+def _model(request: web.Request) -> dict[str, str]:
+    return {"name": request.match_info["model"], "version": request.match_info.get("version", "")}
+
+
+def _peer(request: web.Request) -> str:
+    """One peer per connection, as gRPC names its peers (the limiter's fair share is per connection)."""
+    peername = request.transport.get_extra_info("peername") if request.transport is not None else None
+    if isinstance(peername, tuple) and len(peername) >= 2:
+        return f"http:{peername[0]}:{peername[1]}"
+    return f"http:{request.remote or ''}"

@@ -1,0 +1,371 @@
+"""The REST port (KServe v2 HTTP/REST with Triton's binary-tensor extension): standard clients unchanged
+(tritonclient.http, KServe's REST client), the same answers as gRPC, and every hostile body answered 4xx."""
+
+from __future__ import annotations
+
+import asyncio
+import gzip
+import json
+import socket
+import time
+import urllib.error
+import urllib.request
+
+import numpy as np
+import pytest
+import torch
+
+from voxserve.client import Client
+from voxserve.datatypes import bf16_bits_to_float32, float32_to_bf16_bits
+from voxserve.kernels import reference_float64, reference_weights
+from voxserve.server.core.model import relative_error
+
+from ..certs import CertificateAuthority
+from ..conftest import running_server
+
+httpclient = pytest.importorskip("tritonclient.http", reason="tritonclient[http] (a test dependency) is not installed")
+
+MODEL = "voxnet"
+
+
+def _url(server) -> str:
+    return f"127.0.0.1:{server.server.http_port}"
+
+
+def _request(server, method: str, path: str, body: bytes | None = None,
+             headers: dict[str, str] | None = None) -> tuple[int, dict[str, str], bytes]:
+    """One HTTP request with the standard library: (status, headers, body), errors included."""
+    request = urllib.request.Request(f"http://{_url(server)}{path}", data=body, method=method, headers=headers or {})
+    try:
+        with urllib.request.urlopen(request, timeout=60) as response:
+            return response.status, dict(response.headers), response.read()
+    except urllib.error.HTTPError as exc:
+        return exc.code, dict(exc.headers), exc.read()
+
+
+def _error(body: bytes) -> str:
+    doc = json.loads(body)
+    assert set(doc) == {"error"}, doc
+    return doc["error"]
+
+
+def _infer_body(x: np.ndarray, datatype: str = "FP32") -> bytes:
+    return json.dumps({"inputs": [{"name": "input", "shape": list(x.shape), "datatype": datatype,
+                                   "data": x.ravel().tolist()}]}).encode()
+
+
+# --- standard clients --------------------------------------------------------------
+
+
+def test_tritonclient_http_health_metadata_config_statistics(server):
+    client = httpclient.InferenceServerClient(_url(server))
+    assert client.is_server_live() and client.is_server_ready() and client.is_model_ready(MODEL)
+    assert not client.is_model_ready("nope")
+    metadata = client.get_model_metadata(MODEL)
+    assert metadata["inputs"] == [{"name": "input", "datatype": "FP32", "shape": [-1, 3, -1, -1, -1]}]
+    assert metadata["outputs"] == [{"name": "output", "datatype": "FP32", "shape": [-1, 16]}]
+    assert client.get_server_metadata()["name"] == "voxserve"
+    config = client.get_model_config(MODEL)
+    assert config["input"][0]["dims"] == [3, -1, -1, -1] and config["max_batch_size"] == server.settings.max_batch
+    with pytest.raises(httpclient.InferenceServerException, match="not served here"):
+        client.get_model_metadata("nope")
+    before = client.get_inference_statistics(MODEL)["model_stats"][0]["inference_count"]
+    x = np.zeros((2, 3, 4, 4, 4), np.float32)
+    inp = httpclient.InferInput("input", list(x.shape), "FP32")
+    inp.set_data_from_numpy(x)
+    client.infer(MODEL, [inp])
+    assert client.get_inference_statistics(MODEL)["model_stats"][0]["inference_count"] == before + 2
+
+
+@pytest.mark.parametrize("datatype", ["FP32", "FP16", "BF16"])
+@pytest.mark.parametrize("binary", [True, False], ids=["binary", "json"])
+def test_tritonclient_http_infer_matches_float64_and_grpc(server, rng, datatype, binary):
+    w, b = reference_weights()
+    x = torch.randn((3, 3, 5, 9, 17), generator=rng).numpy()
+    if datatype == "FP16":
+        x_sent, wire = x.astype(np.float16), x.astype(np.float16)
+        exact = torch.from_numpy(x_sent.astype(np.float32))
+    elif datatype == "BF16":  # tritonclient takes ml_dtypes' bfloat16 (a dependency of its own)
+        ml_dtypes = pytest.importorskip("ml_dtypes")
+        wire = float32_to_bf16_bits(x)
+        x_sent = wire.view(ml_dtypes.bfloat16)
+        exact = torch.from_numpy(bf16_bits_to_float32(wire).reshape(x.shape))
+    else:
+        x_sent, wire, exact = x, x, torch.from_numpy(x)
+    client = httpclient.InferenceServerClient(_url(server))
+    inp = httpclient.InferInput("input", list(x.shape), datatype)
+    if datatype == "BF16" and not binary:  # tritonclient sends BF16 binary only: JSON numbers by hand
+        body = _infer_body(bf16_bits_to_float32(wire).reshape(x.shape), "BF16")
+        status, _, out = _request(server, "POST", f"/v2/models/{MODEL}/infer", body)
+        assert status == 200, out
+        y = np.asarray(json.loads(out)["outputs"][0]["data"], np.float32).reshape(3, 16)
+    else:
+        inp.set_data_from_numpy(x_sent, binary_data=binary)
+        result = client.infer(MODEL, [inp], outputs=[httpclient.InferRequestedOutput("output", binary_data=binary)],
+                              request_id="r-1")
+        assert result.get_response()["id"] == "r-1"
+        y = result.as_numpy("output").copy()
+    assert y.shape == (3, 16) and y.dtype == np.float32
+    assert relative_error(torch.from_numpy(y), reference_float64(exact, w, b)) <= 1e-5
+    with Client(server.url) as grpc_client:  # the same bits as gRPC's answer
+        np.testing.assert_array_equal(y, grpc_client.infer(exact.numpy(), datatype=datatype))
+
+
+def test_binary_outputs_follow_the_json_header(server):
+    """binary_data_output: the output's bytes come after the JSON part, whose length the header gives."""
+    x = np.random.default_rng().standard_normal((2, 3, 4, 4, 4), dtype=np.float32)
+    header = json.dumps({"inputs": [{"name": "input", "shape": list(x.shape), "datatype": "FP32",
+                                     "parameters": {"binary_data_size": x.nbytes}}],
+                         "parameters": {"binary_data_output": True}}).encode()
+    status, headers, body = _request(server, "POST", f"/v2/models/{MODEL}/infer", header + x.tobytes(),
+                                     {"Inference-Header-Content-Length": str(len(header))})
+    assert status == 200, body
+    n = int(headers["Inference-Header-Content-Length"])
+    doc = json.loads(body[:n])
+    assert doc["outputs"][0]["parameters"] == {"binary_data_size": 2 * 16 * 4}
+    y = np.frombuffer(body[n:], "<f4").reshape(2, 16)
+    w, b = reference_weights()
+    assert relative_error(torch.from_numpy(y.copy()), reference_float64(torch.from_numpy(x), w, b)) <= 1e-5
+
+
+def test_kserve_rest_client(server):
+    kserve = pytest.importorskip("kserve", reason="kserve (a test dependency) is not installed")
+    x = np.random.default_rng().standard_normal((2, 3, 4, 5, 6), dtype=np.float32)
+
+    async def run():
+        client = kserve.InferenceRESTClient(kserve.RESTConfig(protocol="v2", retries=0))
+        try:
+            base = f"http://{_url(server)}"
+            assert await client.is_server_live(base) and await client.is_server_ready(base)
+            assert await client.is_model_ready(base, MODEL)
+            inp = kserve.InferInput("input", list(x.shape), "FP32")
+            inp.set_data_from_numpy(x, binary_data=False)
+            return await client.infer(base, kserve.InferRequest(MODEL, [inp]), model_name=MODEL)
+        finally:
+            await client.close()
+
+    response = asyncio.run(run())
+    y = response.outputs[0].as_numpy()
+    w, b = reference_weights()
+    assert relative_error(torch.from_numpy(np.asarray(y, np.float32)),
+                          reference_float64(torch.from_numpy(x), w, b)) <= 1e-5
+
+
+def test_system_shared_memory_over_rest(server):
+    shm = pytest.importorskip("tritonclient.utils.shared_memory")
+    client = httpclient.InferenceServerClient(_url(server))
+    x = np.random.default_rng().standard_normal((2, 3, 4, 4, 4), dtype=np.float32)
+    out_bytes = 2 * 16 * 4
+    name = f"rest-{time.monotonic_ns()}"
+    handle = shm.create_shared_memory_region(name, f"/{name}", x.nbytes + out_bytes)
+    try:
+        shm.set_shared_memory_region(handle, [x])
+        client.register_system_shared_memory(name, f"/{name}", x.nbytes + out_bytes)
+        assert [r["name"] for r in client.get_system_shared_memory_status()] == [name]
+        inp = httpclient.InferInput("input", list(x.shape), "FP32")
+        inp.set_shared_memory(name, x.nbytes)
+        out = httpclient.InferRequestedOutput("output")
+        out.set_shared_memory(name, out_bytes, offset=x.nbytes)
+        result = client.infer(MODEL, [inp], outputs=[out])
+        assert result.get_output("output")["parameters"]["shared_memory_region"] == name
+        y = shm.get_contents_as_numpy(handle, np.float32, [2, 16], offset=x.nbytes)
+        w, b = reference_weights()
+        assert relative_error(torch.from_numpy(y.copy()), reference_float64(torch.from_numpy(x), w, b)) <= 1e-5
+        client.unregister_system_shared_memory(name)
+        assert client.get_system_shared_memory_status() == []
+    finally:
+        shm.destroy_shared_memory_region(handle)
+
+
+# --- errors: HTTP status + {"error": ...}, 4xx for every client mistake ------------------------------------
+
+
+HOSTILE = {
+    "not JSON": (b"{not json", {}, "not valid"),
+    "JSON but not an object": (b"[1, 2]", {}, "must be an object"),
+    "no inputs": (b"{}", {}, "has no 'inputs'"),
+    "inputs not a list": (b'{"inputs": 5}', {}, "must be a JSON array"),
+    "deeply nested": (b'{"inputs": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", {}, "nested too deeply"),
+    "shape of strings": (b'{"inputs": [{"name": "input", "datatype": "FP32", "shape": ["a"], "data": [1]}]}', {},
+                         "list of integers"),
+    "data of strings": (b'{"inputs": [{"name": "input", "datatype": "FP32", "shape": [1, 3, 3, 3, 3], '
+                        b'"data": ["x"]}]}', {}, "numbers only"),
+    "too few values": (b'{"inputs": [{"name": "input", "datatype": "FP32", "shape": [1, 3, 3, 3, 3], '
+                       b'"data": [1, 2]}]}', {}, "holds 2 values"),
+    "header longer than the body": (b'{"inputs": []}', {"Inference-Header-Content-Length": "1000"}, "must be 1 to"),
+    "header not a number": (b'{"inputs": []}', {"Inference-Header-Content-Length": "ten"}, "expected a byte count"),
+    "binary size past the end": (b'{"inputs": [{"name": "input", "datatype": "FP32", "shape": [1, 3, 3, 3, 3], '
+                                 b'"parameters": {"binary_data_size": 324}}]}0123',
+                                 {"Inference-Header-Content-Length": "103"}, "runs past the body's end"),
+    "bytes nobody claims": (b'{"inputs": []}0123', {"Inference-Header-Content-Length": "14"}, "every byte must"),
+    "huge int parameter": (b'{"inputs": [], "parameters": {"p": 100000000000000000000000}}', {}, "64-bit"),
+    "wrong input name": (b'{"inputs": [{"name": "x", "datatype": "FP32", "shape": [1, 3, 3, 3, 3], '
+                         b'"data": ' + json.dumps([0.0] * 81).encode() + b"}]}", {}, "unknown input 'x'"),
+    "rank 2": (b'{"inputs": [{"name": "input", "datatype": "FP32", "shape": [1, 1], "data": [1]}]}', {}, "rank 2"),
+}
+
+
+@pytest.mark.parametrize("case", list(HOSTILE))
+def test_hostile_bodies_get_400_naming_the_problem(server, case):
+    body, headers, expected = HOSTILE[case]
+    if case == "binary size past the end":
+        headers = {"Inference-Header-Content-Length": str(body.index(b"}]}") + 3)}
+    status, _, out = _request(server, "POST", f"/v2/models/{MODEL}/infer", body, headers)
+    assert status == 400, (status, out)
+    assert expected in _error(out)
+    assert _request(server, "GET", "/v2/health/ready")[0] == 200
+
+
+def test_statuses_follow_the_canonical_codes(server):
+    x = np.zeros((1, 3, 3, 3, 3), np.float32)
+    assert _request(server, "POST", "/v2/models/nope/infer", _infer_body(x))[0] == 404
+    assert _request(server, "POST", f"/v2/models/{MODEL}/versions/9/infer", _infer_body(x))[0] == 404
+    status, _, body = _request(server, "GET", "/v2/no/such/route")
+    assert status == 404 and "Not Found" in _error(body)
+    status, _, body = _request(server, "DELETE", "/v2/health/live")
+    assert status == 405 and _error(body)
+    big = np.zeros((server.settings.max_request_samples + 1, 3, 3, 3, 3), np.float32)
+    header = json.dumps({"inputs": [{"name": "input", "shape": list(big.shape), "datatype": "FP32",
+                                     "parameters": {"binary_data_size": big.nbytes}}]}).encode()
+    status, _, body = _request(server, "POST", f"/v2/models/{MODEL}/infer", header + big.tobytes(),
+                               {"Inference-Header-Content-Length": str(len(header))})
+    assert status == 429 and "--max-request-samples" in _error(body)
+    # tritonclient.http's timeout (microseconds): one microsecond has passed before the request runs
+    body = json.loads(_infer_body(x))
+    body["parameters"] = {"timeout": 1}
+    status, _, out = _request(server, "POST", f"/v2/models/{MODEL}/infer", json.dumps(body).encode())
+    assert status == 504, out
+
+
+def test_compressed_bodies_are_refused_unread(server):
+    x = np.zeros((1, 3, 3, 3, 3), np.float32)
+    status, _, body = _request(server, "POST", f"/v2/models/{MODEL}/infer", gzip.compress(_infer_body(x)),
+                               {"Content-Encoding": "gzip"})
+    assert status == 415 and "uncompressed" in _error(body)
+
+
+def test_a_body_over_the_limit_gets_413_before_it_is_read():
+    with running_server(max_message_bytes=4096) as srv:
+        assert srv.wait_ready()
+        with socket.create_connection(("127.0.0.1", srv.server.http_port)) as sock:
+            sock.sendall(f"POST /v2/models/{MODEL}/infer HTTP/1.1\r\nHost: x\r\nContent-Length: {1 << 30}\r\n"
+                         f"\r\n".encode())
+            reply = sock.recv(65536).decode()
+        assert reply.startswith("HTTP/1.1 413"), reply
+        assert "--max-message-bytes" in reply
+
+
+def test_huge_headers_get_4xx():
+    with running_server() as srv:
+        assert srv.wait_ready()
+        status, _, _ = _request(srv, "GET", "/v2/health/live", headers={"X-Big": "a" * 100_000})
+        assert 400 <= status < 500, status
+        assert _request(srv, "GET", "/v2/health/live")[0] == 200
+
+
+def test_a_stalled_body_gets_408_and_frees_its_slot():
+    """A client that announces a body and stops sending holds an RPC slot only until --http-body-timeout-s."""
+    with running_server(http_body_timeout_s=0.5, max_concurrent_rpcs=1, max_streams_per_connection=1) as srv:
+        assert srv.wait_ready()
+        with socket.create_connection(("127.0.0.1", srv.server.http_port)) as sock:
+            sock.sendall(f"POST /v2/models/{MODEL}/infer HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n\r\n"
+                         f"{{\"inp".encode())
+            # While it stalls, it holds the one slot: another request is refused.
+            deadline = time.monotonic() + 10
+            while True:
+                status, _, body = _request(srv, "GET", "/v2/health/live")
+                if status == 429 or time.monotonic() > deadline:
+                    break
+            assert status == 429 and "--max-concurrent-rpcs" in _error(body)
+            sock.settimeout(30)
+            reply = sock.recv(65536).decode()
+        assert reply.startswith("HTTP/1.1 408"), reply
+        assert "--http-body-timeout-s" in reply
+        assert _request(srv, "GET", "/v2/health/live")[0] == 200
+
+
+def test_a_short_body_gets_400():
+    with running_server() as srv:
+        assert srv.wait_ready()
+        with socket.create_connection(("127.0.0.1", srv.server.http_port)) as sock:
+            sock.sendall(f"POST /v2/models/{MODEL}/infer HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n\r\n"
+                         f"{{}}".encode())
+            sock.shutdown(socket.SHUT_WR)
+            sock.settimeout(30)
+            reply = sock.recv(65536).decode()
+        # aiohttp ends the request at the connection's end; the server answers or closes, never a 5xx.
+        assert reply == "" or reply.startswith("HTTP/1.1 4"), reply
+
+
+# --- metrics, tokens, TLS ---------------------------------------------------------------
+
+
+def test_rest_requests_are_counted_with_the_grpc_ones(server):
+    def count(code: str) -> float:
+        with urllib.request.urlopen(f"http://127.0.0.1:{server.server.metrics_port}/metrics") as r:
+            text = r.read().decode()
+        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                   if line.startswith("voxserve_requests_total{") and f'code="{code}"' in line)
+
+    ok, bad = count("OK"), count("INVALID_ARGUMENT")
+    x = np.zeros((1, 3, 3, 3, 3), np.float32)
+    assert _request(server, "POST", f"/v2/models/{MODEL}/infer", _infer_body(x))[0] == 200
+    assert _request(server, "POST", f"/v2/models/{MODEL}/infer", b"{oops")[0] == 400
+    assert count("OK") == ok + 1 and count("INVALID_ARGUMENT") == bad + 1
+
+
+def test_bearer_tokens_guard_every_route(tmp_path):
+    token = "t" * 32
+    (tmp_path / "tokens").write_text(token + "\n")
+    with running_server(auth_token_file=str(tmp_path / "tokens"), open_health=True) as srv:
+        assert srv.wait_ready()
+        x = np.zeros((1, 3, 3, 3, 3), np.float32)
+        for path, method, body in [(f"/v2/models/{MODEL}/infer", "POST", _infer_body(x)), ("/v2", "GET", None),
+                                   (f"/v2/models/{MODEL}/config", "GET", None), ("/v2/no/such", "GET", None)]:
+            status, headers, out = _request(srv, method, path, body)
+            assert status == 401 and headers["WWW-Authenticate"] == "Bearer" and "Bearer" in _error(out), path
+            status, _, _ = _request(srv, method, path, body, {"Authorization": "Bearer wrong-token-0123456789"})
+            assert status == 401
+        assert _request(srv, "POST", f"/v2/models/{MODEL}/infer", _infer_body(x),
+                        {"Authorization": f"Bearer {token}"})[0] == 200
+        # --open-health: the probes only
+        for path in ("/v2/health/live", "/v2/health/ready", f"/v2/models/{MODEL}/ready"):
+            assert _request(srv, "GET", path)[0] == 200, path
+        client = httpclient.InferenceServerClient(_url(srv))
+        assert client.get_server_metadata(headers={"Authorization": f"Bearer {token}"})["name"] == "voxserve"
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory):
+    ca = CertificateAuthority(tmp_path_factory.mktemp("pki"), "rest")
+    return {"ca": ca.path, "server": ca.issue("server", server=True), "client": ca.issue("client", server=False)}
+
+
+def test_tls_and_mutual_tls(pki):
+    import ssl
+
+    with running_server(tls_cert=str(pki["server"].cert), tls_key=str(pki["server"].key),
+                        tls_client_ca=str(pki["ca"])) as srv:
+        assert srv.wait_ready()
+        url = f"https://localhost:{srv.server.http_port}/v2/health/live"
+        context = ssl.create_default_context(cafile=str(pki["ca"]))
+        with pytest.raises((urllib.error.URLError, ssl.SSLError, ConnectionError)):
+            urllib.request.urlopen(url, context=context, timeout=30).read()  # no client certificate
+        context.load_cert_chain(str(pki["client"].cert), str(pki["client"].key))
+        with urllib.request.urlopen(url, context=context, timeout=30) as response:
+            assert response.status == 200
+
+
+# --- drain ------------------------------------------------------------------------------
+
+
+def test_a_draining_server_answers_503_and_not_ready():
+    with running_server(grace_period_s=5) as srv:
+        assert srv.wait_ready()
+        srv.server.state.draining = True  # as stop() sets it first
+        srv.server.state.ready = False
+        x = np.zeros((1, 3, 3, 3, 3), np.float32)
+        status, _, body = _request(srv, "POST", f"/v2/models/{MODEL}/infer", _infer_body(x))
+        assert status == 503 and "shutting down" in _error(body)
+        assert _request(srv, "GET", "/v2/health/ready")[0] == 400
+        assert _request(srv, "GET", "/v2/health/live")[0] == 200
