@@ -59,6 +59,12 @@ def _library_path(fragment: str) -> str:
     raise OSError(f"no {fragment} loaded or loadable")
 
 
+class IpcMemHandle(ctypes.Structure):
+    """cudaIpcMemHandle_t: 64 opaque bytes, passed by value."""
+
+    _fields_ = [("reserved", ctypes.c_char * HANDLE_BYTES)]
+
+
 class Cuda:
     """The few runtime and driver calls the probe needs, through ctypes."""
 
@@ -66,6 +72,8 @@ class Cuda:
         self.rt = ctypes.CDLL(cudart_path)
         self.drv = ctypes.CDLL("libcuda.so.1")
         self.rt.cudaGetErrorName.restype = ctypes.c_char_p
+        self.rt.cudaIpcOpenMemHandle.argtypes = [ctypes.POINTER(ctypes.c_void_p), IpcMemHandle, ctypes.c_uint]
+        self.rt.cudaIpcGetMemHandle.argtypes = [ctypes.POINTER(IpcMemHandle), ctypes.c_void_p]
         self.drv.cuMemGetAddressRange_v2.argtypes = [ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_size_t),
                                                      ctypes.c_uint64]
 
@@ -81,15 +89,17 @@ class Cuda:
         return self.rt.cudaFree(ctypes.c_void_p(ptr))
 
     def export(self, ptr: int) -> bytes:
-        handle = (ctypes.c_char * HANDLE_BYTES)()
-        self.check(self.rt.cudaIpcGetMemHandle(handle, ctypes.c_void_p(ptr)), "cudaIpcGetMemHandle")
-        return bytes(handle)
+        handle = IpcMemHandle()
+        self.check(self.rt.cudaIpcGetMemHandle(ctypes.byref(handle), ctypes.c_void_p(ptr)), "cudaIpcGetMemHandle")
+        return ctypes.string_at(ctypes.addressof(handle), HANDLE_BYTES)
 
-    def open(self, handle: bytes) -> tuple[int, int]:
-        """(error code, pointer)."""
+    def open(self, handle: bytes, clear: bool = True) -> tuple[int, int]:
+        """(error code, pointer); ``clear``: clear the last error after a failure."""
         ptr = ctypes.c_void_p()
-        raw = (ctypes.c_char * HANDLE_BYTES).from_buffer_copy(handle)
-        code = self.rt.cudaIpcOpenMemHandle(ctypes.byref(ptr), raw, ctypes.c_uint(IPC_LAZY_ENABLE_PEER_ACCESS))
+        code = self.rt.cudaIpcOpenMemHandle(ctypes.byref(ptr), IpcMemHandle.from_buffer_copy(handle),
+                                            IPC_LAZY_ENABLE_PEER_ACCESS)
+        if code and clear:
+            self.last_error()  # an API error, recorded as the last error: cleared, or the next launch is blamed
         return code, ptr.value or 0
 
     def close(self, ptr: int) -> int:
@@ -121,6 +131,7 @@ class Cuda:
 
     def check(self, code: int, what: str) -> None:
         if code:
+            self.last_error()
             raise RuntimeError(f"{what}: {self.name(code)}")
 
 
@@ -211,14 +222,15 @@ def probe_handles(cuda: Cuda, cudart: str, weight, bias, rows: list[tuple[str, s
             flipped[i] ^= 0xFF
         for label, forged in (("random bytes", os.urandom(HANDLE_BYTES)), ("zeros", bytes(HANDLE_BYTES)),
                               ("a real handle, every 7th byte flipped", bytes(flipped))):
-            code, ptr = cuda.open(forged)
+            code, ptr = cuda.open(forged, clear=False)
+            recorded = cuda.peek()
+            cuda.last_error()
             sticky = cuda.peek()
-            cleared = cuda.last_error()
             if code == 0:
                 cuda.close(ptr)
             rows.append((f"open a forged handle: {label}",
-                         f"{cuda.name(code)}; last error then {cuda.name(sticky)} (cleared: {cuda.name(cleared)}, "
-                         f"after: {cuda.name(cuda.peek())}); device afterwards: {_healthy(weight, bias)}"))
+                         f"{cuda.name(code)}; recorded as the last error: {cuda.name(recorded)}; after clearing it: "
+                         f"{cuda.name(sticky)} (sticky if not 0); the device afterwards: {_healthy(weight, bias)}"))
         own = torch.empty(1 << 20, dtype=torch.uint8, device="cuda")
         code, ptr = cuda.open(cuda.export(own.data_ptr()))
         cuda.last_error()
