@@ -80,7 +80,7 @@ class AccessLog:
         if not 0 < sample_rate <= 1:
             raise ValueError(f"--access-log-sample-rate={sample_rate!r}: must be in (0, 1]")
         self.sample_rate = sample_rate
-        self._draw = draw
+        self.draw = draw
         self._log = logger or logging.getLogger(ACCESS_LOGGER)
         self._log.setLevel(logging.INFO)
 
@@ -90,7 +90,7 @@ class AccessLog:
         """Log one request that ended with the protocol's status ``code`` (OK, INVALID_ARGUMENT, ...; over HTTP
         also its ``http_status``) after ``duration_ms``. ``model`` and ``request_id``, where a client chose them,
         are written through :func:`printable`."""
-        if code == "OK" and self.sample_rate < 1 and self._draw() >= self.sample_rate:
+        if code == "OK" and self.sample_rate < 1 and self.draw() >= self.sample_rate:
             return
         if model is not None:
             model = printable(model)

@@ -270,14 +270,15 @@ def collector() -> Iterator[Collector]:
 
 def test_otlp_export_from_a_front_end_configured_by_otel_variables(tmp_path, collector, monkeypatch):
     """`voxserve serve --tracing --frontends 1 --access-log --log-format json` with only OTEL_* saying where: the
-    front end's spans reach the collector by the drain at the latest, and its access log is JSON."""
+    front end's spans reach the collector by the drain at the latest, and its access log is JSON (written under
+    --log-level WARNING too)."""
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", f"http://127.0.0.1:{collector.port}")
     monkeypatch.setenv("OTEL_SERVICE_NAME", "voxserve-under-test")
     monkeypatch.delenv("OTEL_SDK_DISABLED", raising=False)
     monkeypatch.delenv("OTEL_TRACES_EXPORTER", raising=False)
     monkeypatch.delenv("OTEL_EXPORTER_OTLP_PROTOCOL", raising=False)
     with serve_process(tmp_path / "log", "--device", "cpu", "--tracing", "--frontends", "1", "--access-log",
-                       "--log-format", "json") as srv:
+                       "--log-format", "json", "--log-level", "WARNING") as srv:
         with Client(srv.url, timeout_s=5) as c:
             _wait_for(c.is_ready, GUARD_S, "the server to be ready")
         with grpc.insecure_channel(srv.url) as ch:
