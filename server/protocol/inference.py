@@ -353,15 +353,18 @@ class InferenceService:
         arrived, decoded_ns, returned_ns, ended = stamps
         try:
             request = parsed.message if isinstance(parsed, InferRequest) else None
-            request_id = request.id[:codec.MAX_ID_CHARS] if request is not None else ""
-            model = request.model_name if request is not None else self.model_name
+            # A client's text, bounded: a span's attributes have no length limit unless the operator sets one.
+            limit = codec.MAX_ID_CHARS
+            request_id = request.id[:limit] if request is not None else ""
+            model = request.model_name[:limit] if request is not None else self.model_name
+            version = (request.model_version[:limit] if request is not None else "") or self.model_version
             samples = decoded.samples if decoded is not None else 0
             nbytes = decoded.array.nbytes if decoded is not None else 0
             if self.tracer is not None:
                 attributes: dict[str, tracing.AttributeValue] = {
                     tracing.RPC_SYSTEM: "grpc", tracing.RPC_SERVICE: SERVICE_NAME, tracing.RPC_METHOD: method,
                     tracing.RPC_GRPC_STATUS_CODE: grpc_code(code).value[0], tracing.MODEL_NAME: model,
-                    tracing.MODEL_VERSION: (request.model_version if request is not None else "") or self.model_version,
+                    tracing.MODEL_VERSION: version,
                     tracing.BATCH_SIZE: samples, tracing.INPUT_BYTES: nbytes}
                 if request_id:
                     attributes[tracing.REQUEST_ID] = request_id
