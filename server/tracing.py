@@ -23,10 +23,8 @@ all, and a transport checks ``tracer is not None`` once per request. The API, th
     if tracer is not None:
         trace = tracer.request("http", "POST /v2/models/{model}/infer", request.headers, arrived_ns,
                                {MODEL_NAME: "voxnet", BATCH_SIZE: 2})
-        trace.stage("receive", arrived_ns, decoded_ns)
-        trace.stage("queue", submitted_ns, submitted_ns + result.queue_ns)
-        ...
-        trace.finish("OK")  # or trace.finish("INVALID_ARGUMENT", "input 'INPUT0' ...")
+        trace.stages(arrived_ns, decoded_ns, returned_ns, ended_ns, result.queue_ns)  # the four STAGES
+        trace.finish("OK", end_ns=ended_ns)  # or trace.finish("INVALID_ARGUMENT", "input 'INPUT0' ...", ended_ns)
 
 or as a context manager around the request (an exception leaving it ends the span ERROR)::
 
@@ -255,6 +253,21 @@ class RequestTrace:
         """A child span ``name`` (one of STAGES, or any other) from ``start_ns`` to ``end_ns``
         (perf_counter_ns)."""
         self._stages.append((name, start_ns, end_ns))
+
+    def stages(self, arrived_ns: int, decoded_ns: int, returned_ns: int, ended_ns: int,
+               queue_ns: int | None) -> None:
+        """The four STAGES of an inference request from its stamps (perf_counter_ns; 0: it did not get that far):
+        arrived, decoded (and handed to the runner), its result back, ended; ``queue_ns``: the runner's
+        ``BatchResult.queue_ns`` (None without a result). Its wait in the batcher is timed where it happens (with
+        --frontends: in the engine), so it is placed from when the request was handed on, and the rest until the
+        result came back is ``execute``."""
+        self.stage("receive", arrived_ns, decoded_ns or ended_ns)
+        if queue_ns is not None and decoded_ns and returned_ns:
+            queued = min(decoded_ns + queue_ns, returned_ns)
+            self.stage("queue", decoded_ns, queued)
+            self.stage("execute", queued, returned_ns)
+        if returned_ns:
+            self.stage("respond", returned_ns, ended_ns)
 
     def finish(self, code: str = "OK", error: str | None = None, end_ns: int | None = None) -> None:
         """Make and export the request's spans: it ended with the protocol's ``code`` (OK, INVALID_ARGUMENT, ...)

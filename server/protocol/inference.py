@@ -374,15 +374,7 @@ class InferenceService:
                     attributes[tracing.EXECUTION_SAMPLES] = result.batch_samples
                 trace = self.tracer.request("grpc", method, call.invocation_metadata() if call is not None else None,
                                             arrived, attributes)
-                trace.stage("receive", arrived, decoded_ns or ended)
-                if result is not None:
-                    # The batcher's wait is timed where it happens (with --frontends: in the engine), so here it is
-                    # placed from when the request was handed on; the rest until the result came back executed.
-                    queued = min(decoded_ns + result.queue_ns, returned_ns)
-                    trace.stage("queue", decoded_ns, queued)
-                    trace.stage("execute", queued, returned_ns)
-                if returned_ns:
-                    trace.stage("respond", returned_ns, ended)
+                trace.stages(arrived, decoded_ns, returned_ns, ended, None if result is None else result.queue_ns)
                 trace.finish(code.name, error, ended)
             if self.access_log is not None:
                 self.access_log.record(transport="grpc", method=method, code=code.name,

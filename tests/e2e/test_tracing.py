@@ -301,3 +301,28 @@ def test_otlp_export_from_a_front_end_configured_by_otel_variables(tmp_path, col
     [access] = [r for r in records if r["logger"] == "voxserve.access"]
     assert access["method"] == "ModelInfer" and access["code"] == "OK" and access["request_id"] == "otlp-1"
     assert access["transport"] == "grpc" and access["samples"] == 2 and access["peer"].startswith("ipv4:127.0.0.1:")
+
+
+def test_the_stages_of_a_request_from_its_stamps():
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+
+    exporter = InMemorySpanExporter()
+    tracer = tracing.Tracer([SimpleSpanProcessor(exporter)], "voxnet")
+
+    def stages(*stamps) -> list[tuple[str, int, int]]:
+        exporter.clear()
+        trace = tracer.request("http", "infer", start_ns=10)
+        trace.stages(*stamps)
+        trace.finish(end_ns=100)
+        spans = [s for s in exporter.get_finished_spans() if s.kind != SpanKind.SERVER]
+        [request] = [s for s in exporter.get_finished_spans() if s.kind == SpanKind.SERVER]
+        assert request.start_time is not None
+        return [(s.name, (s.start_time or 0) - request.start_time + 10, (s.end_time or 0) - request.start_time + 10)
+                for s in spans]
+
+    assert stages(10, 20, 80, 100, 15) == [("receive", 10, 20), ("queue", 20, 35), ("execute", 35, 80),
+                                           ("respond", 80, 100)]
+    # A queue time longer than the whole wait (timed in an engine, on another clock's account) stays inside it.
+    assert stages(10, 20, 80, 100, 500)[1:3] == [("queue", 20, 80), ("execute", 80, 80)]
+    assert stages(10, 0, 0, 100, None) == [("receive", 10, 100)]  # refused while being received
+    assert stages(10, 20, 0, 100, None) == [("receive", 10, 20)]  # the runner failed it
