@@ -9,11 +9,13 @@ span while it runs, and with ``--frontends`` the queue and execute times come ba
 result (``BatchResult.queue_ns``), so the engines need no tracing of their own. The caller's W3C
 ``traceparent``/``tracestate`` (gRPC metadata or HTTP headers) make the request span a child of the caller's.
 
-Everything about export is the OpenTelemetry SDK's, read from the standard variables by the SDK and the exporter
-themselves: OTEL_TRACES_EXPORTER (otlp by default; console; none), OTEL_EXPORTER_OTLP_PROTOCOL (grpc by default,
-http/protobuf with opentelemetry-exporter-otlp-proto-http installed), OTEL_EXPORTER_OTLP_ENDPOINT and the rest of
-OTEL_EXPORTER_OTLP_*, OTEL_SERVICE_NAME (default here: voxserve), OTEL_RESOURCE_ATTRIBUTES, OTEL_TRACES_SAMPLER
-and its argument, OTEL_BSP_* (the batch span processor); OTEL_SDK_DISABLED=true turns tracing off again.
+Export is configured by the standard variables. Which exporter, this module chooses by the SDK's rules (as
+opentelemetry-instrument does): OTEL_TRACES_EXPORTER (otlp by default; otlp_proto_grpc, otlp_proto_http,
+console, none) and OTEL_EXPORTER_OTLP_TRACES_PROTOCOL / OTEL_EXPORTER_OTLP_PROTOCOL (grpc by default;
+http/protobuf with opentelemetry-exporter-otlp-proto-http installed). The rest the SDK and the exporter read
+themselves: OTEL_EXPORTER_OTLP_ENDPOINT and the rest of OTEL_EXPORTER_OTLP_*, OTEL_SERVICE_NAME (default here:
+voxserve), OTEL_RESOURCE_ATTRIBUTES, OTEL_TRACES_SAMPLER and its argument, OTEL_BSP_* (the batch span
+processor); OTEL_SDK_DISABLED=true turns tracing off again.
 
 Free when off: with ``--tracing`` off :func:`open_tracer` returns None, this module imports no OpenTelemetry at
 all, and a transport checks ``tracer is not None`` once per request. The API, the same for both transports::
@@ -37,7 +39,6 @@ or as a context manager around the request (an exception leaving it ends the spa
 
 from __future__ import annotations
 
-import importlib
 import logging
 import os
 import time
@@ -73,18 +74,10 @@ INPUT_BYTES = "voxserve.request.input_bytes"
 EXECUTION_SAMPLES = "voxserve.execution.samples"  # of the (largest) batch the request ran in
 STATUS_CODE = "voxserve.status_code"  # the protocol's status name: OK, INVALID_ARGUMENT, ...
 
-# What each missing module means for the user, in the order they are needed.
-_PACKAGES = (
-    ("opentelemetry.trace", "opentelemetry-api"),
-    ("opentelemetry.sdk.trace", "opentelemetry-sdk"),
-)
-_EXPORTER_PACKAGES = {
-    "otlp_proto_grpc": "opentelemetry-exporter-otlp-proto-grpc",
-    "otlp_proto_http": "opentelemetry-exporter-otlp-proto-http",
-    "console": "opentelemetry-sdk",
-}
-# OTEL_EXPORTER_OTLP_PROTOCOL's values and the SDK's entry point for each (as opentelemetry-instrument maps them).
+# OTEL_EXPORTER_OTLP_PROTOCOL's values and the SDK's name of the exporter for each (as opentelemetry-instrument
+# maps them).
 _OTLP_BY_PROTOCOL = {"grpc": "otlp_proto_grpc", "http/protobuf": "otlp_proto_http"}
+EXPORTERS = ("otlp", "otlp_proto_grpc", "otlp_proto_http", "console", "none")
 _INSTALL = "pip install 'voxserve[tracing]'"
 AttributeValue = str | bool | int | float
 
@@ -95,9 +88,9 @@ def _missing(package: str, exc: BaseException) -> StartupError:
 
 def exporter_names() -> list[str]:
     """The span exporters OTEL_TRACES_EXPORTER (comma-separated, default otlp) and, for otlp,
-    OTEL_EXPORTER_OTLP_TRACES_PROTOCOL / OTEL_EXPORTER_OTLP_PROTOCOL ask for, as the SDK's entry-point names
-    (``opentelemetry_traces_exporter``); empty for none. StartupError naming the variable for a value the SDK
-    does not know."""
+    OTEL_EXPORTER_OTLP_TRACES_PROTOCOL / OTEL_EXPORTER_OTLP_PROTOCOL ask for, by the SDK's names for them
+    (otlp_proto_grpc, otlp_proto_http, console); empty for none. StartupError naming the variable for a value
+    not among EXPORTERS or the OTLP protocols."""
     from opentelemetry.environment_variables import OTEL_TRACES_EXPORTER
     from opentelemetry.sdk import environment_variables as env
 
@@ -106,6 +99,8 @@ def exporter_names() -> list[str]:
                 os.environ.get(env.OTEL_EXPORTER_OTLP_PROTOCOL) or "grpc").strip()
     resolved = []
     for name in names:
+        if name not in EXPORTERS:
+            raise StartupError(f"--tracing: OTEL_TRACES_EXPORTER={name!r} is not one of {', '.join(EXPORTERS)}")
         if name == "none":
             return []
         if name == "otlp":
@@ -117,30 +112,39 @@ def exporter_names() -> list[str]:
     return resolved
 
 
-def _load_exporter(name: str) -> type[SpanExporter]:
-    from importlib.metadata import entry_points
+def _exporter_class(name: str) -> type[SpanExporter]:
+    """The class of the span exporter the SDK calls ``name`` (imported here by name, not looked up: nothing is
+    loaded that this module does not name)."""
+    if name == "otlp_proto_grpc":
+        try:
+            from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+        except ImportError as exc:
+            raise _missing("opentelemetry-exporter-otlp-proto-grpc", exc) from None
+        return OTLPSpanExporter
+    if name == "otlp_proto_http":
+        try:
+            from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter as OTLPHttpSpanExporter
+        except ImportError as exc:
+            raise _missing("opentelemetry-exporter-otlp-proto-http (for OTEL_EXPORTER_OTLP_PROTOCOL=http/protobuf)",
+                           exc) from None
+        return OTLPHttpSpanExporter
+    from opentelemetry.sdk.trace.export import ConsoleSpanExporter
 
-    package = _EXPORTER_PACKAGES.get(name, f"that provides the '{name}' span exporter")
-    found = list(entry_points(group="opentelemetry_traces_exporter", name=name))
-    if not found:
-        raise StartupError(f"--tracing: OTEL_TRACES_EXPORTER asks for the '{name}' span exporter, which needs the "
-                           f"Python package {package}")
-    try:
-        exporter: type[SpanExporter] = found[0].load()
-    except ImportError as exc:
-        raise _missing(package, exc) from None
-    return exporter
+    return ConsoleSpanExporter
 
 
 def check_available() -> list[type[SpanExporter]]:
     """The span exporter classes the environment asks for; StartupError naming the missing package (or the
-    variable with a value the SDK does not know) when --tracing cannot work. Imports OpenTelemetry."""
-    for module, package in _PACKAGES:
-        try:
-            importlib.import_module(module)
-        except ImportError as exc:
-            raise _missing(package, exc) from None
-    return [_load_exporter(name) for name in exporter_names()]
+    variable with a value it cannot have) when --tracing cannot work. Imports OpenTelemetry."""
+    try:
+        import opentelemetry.trace  # only whether it is there
+    except ImportError as exc:
+        raise _missing("opentelemetry-api", exc) from None
+    try:
+        import opentelemetry.sdk.trace  # noqa: F401 - only whether it is there
+    except ImportError as exc:
+        raise _missing("opentelemetry-sdk", exc) from None
+    return [_exporter_class(name) for name in exporter_names()]
 
 
 def open_tracer(settings: Settings, exporter: SpanExporter | None = None) -> Tracer | None:

@@ -326,3 +326,28 @@ def test_the_stages_of_a_request_from_its_stamps():
     assert stages(10, 20, 80, 100, 500)[1:3] == [("queue", 20, 80), ("execute", 80, 80)]
     assert stages(10, 0, 0, 100, None) == [("receive", 10, 100)]  # refused while being received
     assert stages(10, 20, 0, 100, None) == [("receive", 10, 20)]  # the runner failed it
+
+
+def test_the_exporter_is_chosen_by_the_otel_variables(monkeypatch):
+    from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+    from opentelemetry.sdk.trace.export import ConsoleSpanExporter
+
+    from voxserve.server.core.errors import StartupError
+
+    for variable in ("OTEL_TRACES_EXPORTER", "OTEL_EXPORTER_OTLP_PROTOCOL", "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL"):
+        monkeypatch.delenv(variable, raising=False)
+    assert tracing.check_available() == [OTLPSpanExporter]
+    monkeypatch.setenv("OTEL_TRACES_EXPORTER", "console,otlp")
+    assert tracing.check_available() == [ConsoleSpanExporter, OTLPSpanExporter]
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_PROTOCOL", "http/json")
+    with pytest.raises(StartupError, match="OTEL_EXPORTER_OTLP_PROTOCOL='http/json'"):
+        tracing.check_available()
+    monkeypatch.setenv("OTEL_TRACES_EXPORTER", "zipkin")
+    with pytest.raises(StartupError, match="OTEL_TRACES_EXPORTER='zipkin'"):
+        tracing.check_available()
+    monkeypatch.setenv("OTEL_TRACES_EXPORTER", "none")
+    assert tracing.check_available() == []
+    assert tracing.open_tracer(Settings(tracing=True)) is None
+    monkeypatch.setenv("OTEL_TRACES_EXPORTER", "console")
+    monkeypatch.setenv("OTEL_SDK_DISABLED", "true")
+    assert tracing.open_tracer(Settings(tracing=True)) is None
