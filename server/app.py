@@ -10,13 +10,14 @@ import os
 import signal
 from typing import TYPE_CHECKING
 
-from . import eventloop, logs
+from . import eventloop, logs, tracing
 from .core.errors import StartupError
 from .core.heap import freeze_startup_objects
 from .metrics import Metrics, latency_buckets
 from .protocol.codec import ModelSpec
 from .protocol.control import ControlService
 from .protocol.inference import InferenceService
+from .protocol.rest import METHOD_PREFIX as REST_METHOD_PREFIX
 from .protocol.rest import RestServer
 from .protocol.server import GrpcServer
 from .protocol.service import ServingState
@@ -28,6 +29,8 @@ from .topology.roles import ENGINE, FRONTEND, Role
 from .topology.supervisor import die_with_supervisor, resolve_frontends, resolve_replicas, supervise, usable_cpus
 
 if TYPE_CHECKING:
+    from opentelemetry.sdk.trace.export import SpanExporter
+
     from .core.weights import Weights
 
 log = logging.getLogger("voxserve")
@@ -42,9 +45,12 @@ class VoxServer:
 
     ``start()`` binds and returns while the model loads; ``wait_ready()`` waits
     for the warm-up; ``stop()`` drains. ``run()`` does all three around signals.
+
+    ``tracer`` (None unless --tracing) and ``access_log`` (None unless --access-log) are for every transport's
+    requests; ``span_exporter``: where the spans go instead of what OTEL_* asks for (the tests' in-memory one).
     """
 
-    def __init__(self, settings: Settings, role: Role = STANDALONE) -> None:
+    def __init__(self, settings: Settings, role: Role = STANDALONE, span_exporter: SpanExporter | None = None) -> None:
         self.settings = settings
         self.role = role
         self.state = ServingState(max_batch=settings.max_batch)
@@ -56,8 +62,11 @@ class VoxServer:
         if role.supervised:
             self.state.stats.share(os.path.join(role.run_dir, "stats"), role.name or str(os.getpid()))
         self._publish_task: asyncio.Task[None] | None = None
+        self.tracer = tracing.open_tracer(settings, span_exporter)
+        self.access_log = logs.AccessLog(settings.access_log_sample_rate) if settings.access_log else None
         self.service = InferenceService(self.state, self.metrics, settings.model_name, settings.model_version,
-                                        self.shm, settings.stream_idle_timeout_s, settings.max_shm_inflight_bytes)
+                                        self.shm, settings.stream_idle_timeout_s, settings.max_shm_inflight_bytes,
+                                        self.tracer, self.access_log)
         self.control = ControlService(self.state, settings.model_name, settings.model_version, self.shm)
         self.grpc = GrpcServer(settings, self.control, self.service, role.supervised, self._count_refused)
         self.limiter = self.grpc.limiter
@@ -76,6 +85,10 @@ class VoxServer:
         """Count an inference call refused before its handler ran (a bad token, the RPC limit)."""
         if method.endswith(("/ModelInfer", "/ModelStreamInfer")):
             self.metrics.count_request(code)
+            if self.access_log is not None:
+                transport = "http" if method.startswith(REST_METHOD_PREFIX) else "grpc"
+                self.access_log.record(transport=transport, method=method.rsplit("/", 1)[-1], code=code,
+                                       duration_ms=0.0)
 
     async def start(self) -> int:
         """Read the weights, bind the ports, start serving (not ready yet) and begin building the model.
@@ -180,6 +193,8 @@ class VoxServer:
             self._publish_task.cancel()
             self.state.stats.publish()  # the final figures, for the replicas still answering
         self.shm.close()
+        if self.tracer is not None:  # the spans still buffered go out now
+            await asyncio.to_thread(self.tracer.shutdown)
         stats = self.state.stats.snapshot()
         log.info("stopped: %d requests admitted, %d answered OK, %d abandoned at the end of the grace period",
                  self.state.admitted_total, stats.success.count, abandoned)
@@ -219,6 +234,13 @@ def serve(settings: Settings) -> int:
         from .topology.engine import run_engine  # (the model, torch and the devices: only in the engine)
 
         return run_engine(settings, role.engine_socket, int(role.name or "0"), os.path.join(role.run_dir, "stats"))
+    if settings.tracing:  # once, before any process starts: the missing package named in one line
+        try:
+            tracing.check_available()
+        except StartupError as exc:
+            logs.configure(settings.log_level, settings.log_format)
+            log.error("start-up failed: %s", exc)
+            return 1
     replicas = resolve_replicas(settings)
     frontends = resolve_frontends(settings, engines=replicas)
     if settings.frontends == AUTO:

@@ -158,6 +158,23 @@ class Settings:
         "text (one line per record) or json (one JSON object per line: time, level, logger, message, pid, and the "
         "request id, model and peer where a record has them)",
         check=(lambda v: v in ("text", "json"), "must be text or json"))
+    access_log: bool = option(
+        False,
+        "log one record per inference request (logger voxserve.access, written whatever --log-level says): "
+        "transport, RPC, status code, duration in ms, model, samples, input bytes, peer and request id; fields of "
+        "the JSON object with --log-format json")
+    access_log_sample_rate: float = option(
+        1.0,
+        "with --access-log: the share of successful requests logged, each drawn at random (0.1: one in ten); "
+        "failed requests are always logged",
+        check=(lambda v: 0 < v <= 1, "must be in (0, 1]"))
+    tracing: bool = option(
+        False,
+        "export OpenTelemetry traces: a server span per inference request with receive, queue, execute and "
+        "respond children, continuing the caller's W3C traceparent; the exporter (OTLP over gRPC by default), "
+        "endpoint, service name and sampler come from the standard OTEL_* variables (OTEL_EXPORTER_OTLP_ENDPOINT, "
+        "OTEL_EXPORTER_OTLP_PROTOCOL, OTEL_SERVICE_NAME, OTEL_TRACES_SAMPLER, ...). Needs pip install "
+        "'voxserve[tracing]'")
     # empty: the defaults in server/metrics.py
     latency_buckets_s: str = option(
         "",

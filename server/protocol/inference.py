@@ -1,5 +1,6 @@
 """The inference hot path of the GRPCInferenceService: ModelInfer and ModelStreamInfer, from the received message
-to the encoded response, each request counted once under the code its client is sent."""
+to the encoded response, each request counted once under the code its client is sent, and (with --tracing,
+--access-log) traced and logged once where it ends."""
 
 from __future__ import annotations
 
@@ -11,22 +12,28 @@ import inspect
 import logging
 import time
 import weakref
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import grpc
 import numpy as np
 
 from voxserve.proto import pb
 
-from ..core.batching import DeadlineExceeded, QueueFull
+from .. import tracing
+from ..core.batching import BatchResult, DeadlineExceeded, QueueFull
 from ..core.errors import ServingError, Status, internal, invalid, runner_error, unavailable
 from ..metrics import Metrics
 from . import codec
 from .admission import ByteBudget, current_call
-from .service import MalformedRequest, ServingState
+from .service import SERVICE_NAME, MalformedRequest, ServingState
 from .shm import SharedMemoryRegistry
 from .status import grpc_code
 from .wire import InferRequest
+
+if TYPE_CHECKING:
+    from ..logs import AccessLog
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +48,7 @@ DEADLINE_SLACK_SHARE = 0.1
 # this long after its request ended (what a CPU execution of the copy, left running by a cancelled request,
 # normally takes at most).
 COPY_RELEASE_GRACE_S = 5.0
+INFER, STREAM_INFER = "ModelInfer", "ModelStreamInfer"
 
 
 class _Stream:
@@ -62,10 +70,29 @@ class _Stream:
                 self.reader.cancel()
 
 
+@dataclass(frozen=True)
+class HttpCall:
+    """A REST request as ``infer`` sees the call it came on (for a gRPC call: its ServicerContext), for the trace
+    and the access record: its route, headers (a W3C traceparent among them), peer, and its HTTP status once
+    known (``http_status`` maps the code it ends with)."""
+
+    route: str
+    headers: Mapping[str, str]
+    remote: str
+    http_status: Callable[[Status], int]
+
+    def invocation_metadata(self) -> Mapping[str, str]:
+        return self.headers
+
+    def peer(self) -> str:
+        return self.remote
+
+
 class InferenceService:
     def __init__(self, state: ServingState, metrics: Metrics, model_name: str, model_version: str,
                  shm: SharedMemoryRegistry | None = None, stream_idle_timeout_s: float = 0.0,
-                 max_shm_inflight_bytes: int = 2**31) -> None:
+                 max_shm_inflight_bytes: int = 2**31, tracer: tracing.Tracer | None = None,
+                 access_log: AccessLog | None = None) -> None:
         self.shm = shm
         self.state = state
         self.metrics = metrics
@@ -75,6 +102,15 @@ class InferenceService:
         self._streams: set[_Stream] = set()
         # The server's private copies of shared-memory inputs, held from the copy until the copy is freed.
         self.shm_budget = ByteBudget(max_shm_inflight_bytes, "shared-memory input", "--max-shm-inflight-bytes")
+        self.tracer = tracer
+        self.access_log = access_log
+        # The one check a request makes for both (--tracing, --access-log): with both off, nothing else.
+        self._observed = tracer is not None or access_log is not None
+
+    @property
+    def observed(self) -> bool:
+        """Whether requests are traced or access-logged (another transport then passes its call's details)."""
+        return self._observed
 
     def close_streams(self, reason: str) -> None:
         """End every ModelStreamInfer stream once what it has in progress is answered (the drain)."""
@@ -87,18 +123,26 @@ class InferenceService:
         timeout_s = context.time_remaining()
         deadline = None if timeout_s is None else asyncio.get_running_loop().time() + timeout_s
         slack_s = max(DEADLINE_SLACK_S, DEADLINE_SLACK_SHARE * (timeout_s or 0))
+        started = time.perf_counter_ns() if self._observed else 0
         try:
             parsed = await context.read()
         except asyncio.CancelledError:  # the call ended (its deadline, the client) while its message arrived
-            self.metrics.count_request(self._end_code(context, deadline, slack_s, Status.CANCELLED).name)
+            code = self._end_code(context, deadline, slack_s, Status.CANCELLED)
+            self.metrics.count_request(code.name)
+            if self._observed:
+                self._observe(context, INFER, None, code, "the call ended before its message arrived", None, None,
+                              (started, 0, 0, time.perf_counter_ns()))
             raise
         if parsed is grpc.aio.EOF:  # the transport ended the call before its message could be read
             # (over --max-message-bytes, unless the call's deadline came or the client went away)
             code = self._end_code(context, deadline, slack_s, Status.RESOURCE_EXHAUSTED)
             self.metrics.count_request(code.name)
+            if self._observed:
+                self._observe(context, INFER, None, code, "the request message was not received", None, None,
+                              (started, 0, 0, time.perf_counter_ns()))
             await self._abort(context, code, "the request message was not received")
         try:
-            return await self.infer(parsed, deadline, slack_s)
+            return await self.infer(parsed, deadline, slack_s, context)
         except ServingError as exc:
             await self._abort(context, exc.code, exc.message)
 
@@ -144,7 +188,7 @@ class InferenceService:
                 async for request in request_iterator:
                     stream.last_message = loop.time()
                     await window.acquire()
-                    pending.append(asyncio.ensure_future(self._stream_answer(request)))
+                    pending.append(asyncio.ensure_future(self._stream_answer(request, context)))
                     arrived.set()
             finally:
                 reading = False
@@ -204,9 +248,10 @@ class InferenceService:
 
         stream.idle_timer = loop.call_at(stream.last_message + timeout, check)
 
-    async def _stream_answer(self, request: InferRequest | MalformedRequest) -> pb.ModelStreamInferResponse:
+    async def _stream_answer(self, request: InferRequest | MalformedRequest, call) -> pb.ModelStreamInferResponse:
         try:
-            return pb.ModelStreamInferResponse(infer_response=await self.infer(request))
+            return pb.ModelStreamInferResponse(infer_response=await self.infer(request, call=call,
+                                                                                method=STREAM_INFER))
         except ServingError as exc:
             response = pb.ModelStreamInferResponse(error_message=f"{exc.code.name}: {exc.message}")
             if isinstance(request, InferRequest):  # which request it answers, as a response would say
@@ -219,10 +264,12 @@ class InferenceService:
         return f"model '{self.model_name}' is shutting down; retry on another replica"
 
     async def infer(self, parsed: InferRequest | MalformedRequest, deadline: float | None = None,
-                     cancel_slack_s: float = DEADLINE_SLACK_S) -> pb.ModelInferResponse:
+                     cancel_slack_s: float = DEADLINE_SLACK_S, call=None,
+                     method: str = INFER) -> pb.ModelInferResponse:
         """One request, start to finish, counted exactly once under the code its client is sent. ``deadline``:
         the call's, in event-loop time (a stream's requests have none of their own); a cancellation within
-        ``cancel_slack_s`` of it is its deadline's."""
+        ``cancel_slack_s`` of it is its deadline's. ``call``: the gRPC call of ``method`` it came on (its
+        metadata and peer: for the trace and the access log)."""
         arrived = time.perf_counter_ns()
         m = self.metrics.series
         m.inflight.inc()
@@ -232,6 +279,10 @@ class InferenceService:
         code = Status.OK
         held = 0  # shared-memory bytes taken from the budget
         decoded: codec.InferInput | None = None  # with ``held``: its array is the private copy they are for
+        result: BatchResult | None = None
+        error = ""  # what the client is told when the code is not OK
+        # When the request was decoded (and handed to the runner) and when its result came back: its stages.
+        decoded_ns = returned_ns = 0
         try:
             if isinstance(parsed, MalformedRequest):
                 raise parsed.error()
@@ -271,7 +322,9 @@ class InferenceService:
                 else:
                     decoded = codec.decode_request(request, spec, self.shm, parsed.raw)
                 m.input_bytes.inc(decoded.array.nbytes)
+                decoded_ns = time.perf_counter_ns()
                 result = await runner.run(decoded.array, decoded.datatype, timeout_s)
+                returned_ns = time.perf_counter_ns()
             except (QueueFull, DeadlineExceeded) as exc:
                 raise (runner_error(exc, self.model_name) or exc) from None
             _check_finite(result.output)
@@ -285,21 +338,25 @@ class InferenceService:
             m.samples.inc(decoded.samples)
             return response
         except ServingError as exc:
-            code = exc.code
+            code, error = exc.code, exc.message
             self.state.stats.record_failure(time.perf_counter_ns() - arrived)
             raise
         except asyncio.CancelledError:
-            code = Status.CANCELLED
+            code, error = Status.CANCELLED, "the call was cancelled"
             if deadline is not None and deadline - asyncio.get_running_loop().time() <= cancel_slack_s:
-                code = Status.DEADLINE_EXCEEDED
+                code, error = Status.DEADLINE_EXCEEDED, "the call's deadline passed"
             self.state.stats.record_failure(time.perf_counter_ns() - arrived)
             raise
         except Exception:
-            code = Status.INTERNAL
+            code, error = Status.INTERNAL, "inference failed inside the server"
             self.state.stats.record_failure(time.perf_counter_ns() - arrived)
             log.exception("inference failed")
             raise internal("inference failed inside the server; see its log") from None
         finally:
+            ended = time.perf_counter_ns()
+            if self._observed:
+                self._observe(call, method, parsed, code, error, decoded, result,
+                              (arrived, decoded_ns, returned_ns, ended))
             if held:
                 self._release_when_freed(decoded.array if decoded is not None else None, held)
                 decoded = None  # the frame may outlive the call (a kept traceback): hold no copy
@@ -309,7 +366,58 @@ class InferenceService:
             m.inflight.dec()
             self.metrics.count_request(code.name, served)
             if served:
-                m.request_duration.observe((time.perf_counter_ns() - arrived) / 1e9)
+                m.request_duration.observe((ended - arrived) / 1e9)
+
+    def _observe(self, call, method: str, parsed: InferRequest | MalformedRequest | None, code: Status, error: str,
+                 decoded: codec.InferInput | None, result: BatchResult | None,
+                 stamps: tuple[int, int, int, int]) -> None:
+        """Trace (--tracing) and log (--access-log) one request that has ended with ``code``. ``stamps``
+        (perf_counter_ns): when it arrived, was decoded, came back from the runner (0: it did not get that far),
+        ended. Never raises: the request's own accounting comes after it."""
+        arrived, decoded_ns, returned_ns, ended = stamps
+        try:
+            request = parsed.message if isinstance(parsed, InferRequest) else None
+            # A client's text, bounded: a span's attributes have no length limit unless the operator sets one.
+            limit = codec.MAX_ID_CHARS
+            request_id = request.id[:limit] if request is not None else ""
+            model = request.model_name[:limit] if request is not None else self.model_name
+            version = (request.model_version[:limit] if request is not None else "") or self.model_version
+            samples = decoded.samples if decoded is not None else 0
+            nbytes = decoded.array.nbytes if decoded is not None else 0
+            http = call if isinstance(call, HttpCall) else None
+            http_status = http.http_status(code) if http is not None else None
+            if self.tracer is not None:
+                attributes: dict[str, tracing.AttributeValue] = {
+                    tracing.MODEL_NAME: model, tracing.MODEL_VERSION: version, tracing.BATCH_SIZE: samples,
+                    tracing.INPUT_BYTES: nbytes}
+                if http is not None:
+                    attributes[tracing.HTTP_REQUEST_METHOD] = "POST"
+                    attributes[tracing.HTTP_ROUTE] = http.route
+                    attributes[tracing.HTTP_STATUS_CODE] = http_status or 0
+                else:
+                    attributes.update({tracing.RPC_SYSTEM: "grpc", tracing.RPC_SERVICE: SERVICE_NAME,
+                                       tracing.RPC_METHOD: method,
+                                       tracing.RPC_GRPC_STATUS_CODE: grpc_code(code).value[0]})
+                if request_id:
+                    attributes[tracing.REQUEST_ID] = request_id
+                if decoded is not None:
+                    attributes[tracing.DATATYPE] = decoded.datatype
+                if result is not None:
+                    attributes[tracing.EXECUTION_SAMPLES] = result.batch_samples
+                trace = self.tracer.request("http" if http is not None else "grpc",
+                                            f"POST {http.route}" if http is not None else method,
+                                            call.invocation_metadata() if call is not None else None,
+                                            arrived, attributes)
+                trace.stages(arrived, decoded_ns, returned_ns, ended, None if result is None else result.queue_ns)
+                trace.finish(code.name, error, ended)
+            if self.access_log is not None:
+                self.access_log.record(transport="http" if http is not None else "grpc",
+                                       method=f"POST {http.route}" if http is not None else method, code=code.name,
+                                       duration_ms=(ended - arrived) / 1e6, model=model,
+                                       peer=call.peer() if call is not None else None, request_id=request_id or None,
+                                       input_bytes=nbytes, samples=samples, http_status=http_status)
+        except Exception:
+            log.exception("tracing or access-logging a request failed")
 
     def _release_when_copied(self, nbytes: int, copying: asyncio.Future) -> None:
         """``copying`` (a cancelled request's copy, made on in its thread) has ended: its room goes back once

@@ -41,7 +41,7 @@ from ..settings import Settings
 from . import rest_codec, security
 from .admission import ByteBudget, RpcLimiter
 from .control import ControlService
-from .inference import InferenceService
+from .inference import HttpCall, InferenceService
 from .service import MalformedRequest
 from .wire import InferRequest
 
@@ -267,14 +267,14 @@ class RestServer:
     async def _infer(self, request: web.Request) -> web.Response:
         loop = asyncio.get_running_loop()
         names = _model(request)
-        metrics = self.inference.metrics
+        started = loop.time()
         try:
             body = await self._read_body(request)
         except ServingError as exc:
-            metrics.count_request(exc.code.name)
+            self._refused(request, exc.code, http_status(exc), started)
             raise
         except asyncio.CancelledError:
-            metrics.count_request(Status.CANCELLED.name)
+            self._refused(request, Status.CANCELLED, HTTP_STATUS[Status.CANCELLED], started)
             raise
         header_length = request.headers.get(rest_codec.HEADER_LENGTH)
         json_bytes = len(body) if header_length is None else min(len(body), _int_or(header_length, 0))
@@ -296,12 +296,23 @@ class RestServer:
         else:
             parsed, binary_outputs, timeout_s = decoded.request, decoded.binary_outputs, decoded.timeout_s
         deadline = None if timeout_s is None else loop.time() + timeout_s
-        response = await self.inference.infer(parsed, deadline)
+        call = HttpCall(request.match_info.route.resource.canonical if request.match_info.route.resource else "",
+                        request.headers, _peer(request), _infer_status) if self.inference.observed else None
+        response = await self.inference.infer(parsed, deadline, call=call)
         body_out, json_length = rest_codec.encode_infer(response, binary_outputs)
         if json_length is None:
             return web.Response(body=body_out, content_type="application/json")
         return web.Response(body=body_out, content_type="application/octet-stream",
                             headers={rest_codec.HEADER_LENGTH: str(json_length)})
+
+    def _refused(self, request: web.Request, code: Status, status: int, started: float) -> None:
+        """Count (and access-log) an inference request whose body could not be read: it never reached
+        ``infer``, which counts every other one."""
+        self.inference.metrics.count_request(code.name)
+        if self.inference.access_log is not None:
+            self.inference.access_log.record(
+                transport="http", method=f"POST {request.path}"[:200], code=code.name, http_status=status,
+                duration_ms=(asyncio.get_running_loop().time() - started) * 1e3, peer=_peer(request))
 
     async def _read_body(self, request: web.Request, limit: int | None = None) -> bytearray:
         """The request's body, in one buffer of its announced length (the chunks are copied in as they arrive).
@@ -341,6 +352,12 @@ class RestServer:
         if length is not None and received != length:
             raise invalid(f"the body ended after {received} of its {length} bytes (Content-Length)")
         return buffer
+
+
+def _infer_status(code: Status) -> int:
+    """The HTTP status an inference request that ended with ``code`` inside the inference path is answered with
+    (its trace and access record say it)."""
+    return HTTP_STATUS[code]
 
 
 def _too_large(nbytes: int, limit: int) -> HttpError:
