@@ -36,7 +36,8 @@ COPY kernels kernels
 COPY client client
 # DL3013: "." is this project from source; its dependency ranges are in pyproject.toml.
 # hadolint ignore=DL3013
-RUN pip install --no-cache-dir ".[server]"
+# The tracing extra too: --tracing then works in the image (OpenTelemetry is imported only when it is on).
+RUN pip install --no-cache-dir ".[server,tracing]"
 COPY --from=kernel /out/libvoxserve_fused.so /opt/voxserve/lib/libvoxserve_fused.so
 ENV VOXSERVE_KERNEL_LIBRARY=/opt/voxserve/lib/libvoxserve_fused.so \
     PYTHONUNBUFFERED=1

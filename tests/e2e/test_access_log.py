@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import logging
+import urllib.error
+import urllib.request
 from collections.abc import Iterator
 
 import grpc
@@ -71,6 +73,27 @@ def test_one_record_per_request_with_its_fields_as_text_and_json(access_records)
     assert {k: entry[k] for k in ("logger", "transport", "method", "code", "model", "request_id", "samples",
                                   "input_bytes")} == {"logger": ACCESS_LOGGER, **fields}
     assert isinstance(entry["duration_ms"], float) and entry["peer"] == ok.peer and "http_status" not in entry
+
+
+def test_rest_requests_are_logged_with_their_http_status(access_records):
+    with running_server(access_log=True, max_message_bytes=4096) as srv:
+        assert srv.wait_ready()
+        x = _x(1)
+        body = json.dumps({"id": "r-1", "inputs": [{"name": "input", "shape": list(x.shape), "datatype": "FP32",
+                                                    "data": x.ravel().tolist()}]}).encode()
+        url = f"http://127.0.0.1:{srv.server.http_port}/v2/models/voxnet/infer"
+        with urllib.request.urlopen(urllib.request.Request(url, data=body), timeout=30) as response:
+            assert response.status == 200
+        for payload in (b"{oops", b"x" * 5000):  # not JSON; over --max-message-bytes (never read)
+            with pytest.raises(urllib.error.HTTPError):
+                urllib.request.urlopen(urllib.request.Request(url, data=payload), timeout=30)
+    ok, bad, large = access_records
+    assert (ok.transport, ok.method, ok.code, ok.http_status, ok.request_id, ok.samples) == (
+        "http", "POST /v2/models/{model}/infer", "OK", 200, "r-1", 1)
+    assert ok.peer.startswith("http:127.0.0.1:")
+    assert (bad.transport, bad.code, bad.http_status) == ("http", "INVALID_ARGUMENT", 400)
+    assert (large.transport, large.code, large.http_status) == ("http", "RESOURCE_EXHAUSTED", 413)
+    assert " INFO voxserve.access: http POST /v2/models/{model}/infer 200 OK " in logging.Formatter(FORMAT).format(ok)
 
 
 def test_calls_refused_before_their_handler_are_logged(access_records, tmp_path):

@@ -11,6 +11,8 @@ import subprocess
 import sys
 import textwrap
 import threading
+import urllib.error
+import urllib.request
 from collections.abc import Iterator
 from concurrent import futures
 
@@ -56,7 +58,7 @@ class TracedServer(ServerThread):
 
 @pytest.fixture(scope="module")
 def traced() -> Iterator[TracedServer]:
-    settings = Settings(host="127.0.0.1", grpc_port=0, metrics_port=-1, device="cpu", tracing=True)
+    settings = Settings(host="127.0.0.1", grpc_port=0, http_port=0, metrics_port=-1, device="cpu", tracing=True)
     srv = TracedServer(settings, InMemorySpanExporter())
     try:
         assert srv.wait_ready(), srv.server.load_error
@@ -112,6 +114,39 @@ def test_a_request_continues_the_callers_trace_with_its_four_stages(traced):
         bound = child.end_time
     # The execution did take time (the CPU model on 3 samples): the children are not all squeezed to a point.
     assert children[2].end_time > children[2].start_time
+
+
+def _rest_infer(srv, body: bytes, headers: dict[str, str]) -> int:
+    request = urllib.request.Request(f"http://127.0.0.1:{srv.server.http_port}/v2/models/voxnet/infer", data=body,
+                                     headers=headers)
+    try:
+        with urllib.request.urlopen(request, timeout=30) as response:
+            return response.status
+    except urllib.error.HTTPError as exc:
+        return exc.code
+
+
+def test_a_rest_request_continues_the_callers_trace_from_its_headers(traced):
+    x = _x(2)
+    body = json.dumps({"id": "rest-1", "inputs": [{"name": "input", "shape": list(x.shape), "datatype": "FP32",
+                                                   "data": x.ravel().tolist()}]}).encode()
+    assert _rest_infer(traced, body, {"traceparent": TRACEPARENT}) == 200
+    assert _rest_infer(traced, b"{not json", {"traceparent": TRACEPARENT}) == 400
+    spans = traced.spans()
+    ok, bad = sorted(_requests(spans), key=lambda s: s.start_time or 0)
+    for span in (ok, bad):
+        assert span.name == "POST /v2/models/{model}/infer"
+        assert span.context.trace_id == int(TRACE_ID, 16) and span.parent is not None
+        assert span.parent.span_id == int(PARENT_ID, 16)
+        assert dict(span.attributes or {})[tracing.TRANSPORT] == "http"
+        assert tracing.RPC_SYSTEM not in (span.attributes or {})
+    attributes = dict(ok.attributes or {})
+    assert attributes == {**attributes, tracing.HTTP_REQUEST_METHOD: "POST",
+                          tracing.HTTP_ROUTE: "/v2/models/{model}/infer", tracing.HTTP_STATUS_CODE: 200,
+                          tracing.REQUEST_ID: "rest-1", tracing.BATCH_SIZE: 2, tracing.STATUS_CODE: "OK"}
+    assert [c.name for c in _children(spans, ok)] == list(tracing.STAGES)
+    assert bad.status.status_code == StatusCode.ERROR and "JSON" in (bad.status.description or "")
+    assert dict(bad.attributes or {})[tracing.HTTP_STATUS_CODE] == 400
 
 
 def test_without_a_traceparent_the_request_starts_a_trace(traced):
@@ -219,7 +254,8 @@ def test_tracing_without_opentelemetry_is_a_one_line_start_up_error():
         import sys
         sys.modules["opentelemetry"] = None  # as if it were not installed
         from voxserve.cli import main
-        sys.exit(main(["serve", "--tracing", "--device", "cpu", "--grpc-port", "0", "--metrics-port", "-1"]))
+        sys.exit(main(["serve", "--tracing", "--device", "cpu", "--grpc-port", "0", "--http-port", "-1",
+                       "--metrics-port", "-1"]))
     """)
     done = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=GUARD_S)
     assert done.returncode == 1, done.stderr[-3000:]
