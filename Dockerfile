@@ -34,9 +34,9 @@ COPY proto proto
 COPY server server
 COPY kernels kernels
 COPY client client
+# The tracing extra too: --tracing then works in the image (OpenTelemetry is imported only when it is on).
 # DL3013: "." is this project from source; its dependency ranges are in pyproject.toml.
 # hadolint ignore=DL3013
-# The tracing extra too: --tracing then works in the image (OpenTelemetry is imported only when it is on).
 RUN pip install --no-cache-dir ".[server,tracing]"
 COPY --from=kernel /out/libvoxserve_fused.so /opt/voxserve/lib/libvoxserve_fused.so
 ENV VOXSERVE_KERNEL_LIBRARY=/opt/voxserve/lib/libvoxserve_fused.so \

@@ -39,7 +39,8 @@ STANDALONE = Role()
 
 class VoxServer:
     """One voxserve process that serves gRPC and REST: its model (in process, or in the engines of a front end),
-    its gRPC server, its REST server (unless --http-port -1) and its metrics. ``role`` says which (standalone, one of --replicas, a front end of --frontends).
+    its gRPC server, its REST server (unless --http-port -1) and its metrics. ``role`` says which (standalone, one
+    of --replicas, a front end of --frontends).
 
     Construct it inside the event loop that will run it (grpc.aio binds to that loop).
 
