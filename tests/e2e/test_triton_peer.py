@@ -4,6 +4,7 @@ system shared memory, with float64's answers."""
 
 from __future__ import annotations
 
+import asyncio
 import importlib.util
 import json
 import sys
@@ -25,6 +26,11 @@ _spec = importlib.util.spec_from_file_location(
 assert _spec is not None and _spec.loader is not None
 triton_peer = sys.modules[_spec.name] = importlib.util.module_from_spec(_spec)  # (its dataclass looks it up)
 _spec.loader.exec_module(triton_peer)
+_rest_spec = importlib.util.spec_from_file_location("rest_load", Path(__file__).resolve().parents[2] / "bench" /
+                                                    "rest_load.py")
+assert _rest_spec is not None and _rest_spec.loader is not None
+rest_load = importlib.util.module_from_spec(_rest_spec)
+_rest_spec.loader.exec_module(rest_load)
 
 
 def test_what_is_not_triton_is_refused_with_the_reason(tmp_path):
@@ -88,3 +94,14 @@ def test_triton_answers_match_float64(triton, rng):
             finally:
                 c.unregister_system_shared_memory()
     assert relative_error(torch.from_numpy(y), ref) <= 1e-5
+
+
+@pytest.mark.parametrize("binary", [True, False], ids=["binary", "json"])
+def test_the_rest_driver_against_tritons_http_endpoint(triton, binary):
+    """service_bench's REST rows for Triton: its HTTP endpoint answers bench/rest_load.py's requests."""
+    x = np.random.default_rng().standard_normal((2, 3, 5, 6, 7), dtype=np.float32)
+    body, json_length = rest_load.rest_body(x, "FP32", binary)
+    result = asyncio.run(rest_load.run_rest_level(triton.http_url, body, 2, x.nbytes, 2, duration_s=None, requests=4,
+                                                  model=triton.models["FP32"], target="triton",
+                                                  json_length=json_length))
+    assert result.errors == 0 and result.requests == 4, result.first_error
