@@ -180,7 +180,10 @@ class VoxServer:
         # UNAVAILABLE by the servicer (retry elsewhere) instead of being cut off by the transport.
         loop = asyncio.get_running_loop()
         deadline = loop.time() + grace_s
-        while self.state.accepted > 0 and loop.time() < deadline:
+        # REST requests still receiving their body are waited for too: they then reach the inference path and are
+        # answered UNAVAILABLE (503), as gRPC's are, instead of losing their connection.
+        while (self.state.accepted > 0 or (self.rest is not None and self.rest.in_progress > 0)) \
+                and loop.time() < deadline:
             await asyncio.sleep(0.01)
         abandoned = self.state.accepted
         await asyncio.gather(self.grpc.stop(max(0.0, deadline - loop.time())),

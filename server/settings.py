@@ -135,11 +135,21 @@ class Settings:
         "most bytes of shared-memory inputs copied into the server at once (over all requests in progress); a "
         "request waits for room, one larger than this alone gets RESOURCE_EXHAUSTED",
         check=(lambda v: v >= 1, "must be >= 1"))
-    http_body_timeout_s: float = option(
+    http_timeout_s: float = option(
         30.0,
-        "a REST request whose body sends nothing for this long is answered 408 (a stalled or trickling client "
-        "holds no slot for longer)",
+        "REST connections: a request body that sends nothing for this long is answered 408 (as is one arriving "
+        "slower than 1 MB/s beyond it), and a connection with no request in progress for this long (headers never "
+        "completed, an idle keep-alive) is closed",
         check=(lambda v: v > 0, "must be > 0"))
+    http_max_connections: int = option(
+        1024,
+        "most REST connections open at once; a further one is answered 503 and closed",
+        check=(lambda v: v >= 1, "must be >= 1"))
+    max_json_bytes: int = option(
+        16 * MiB,
+        "largest JSON part of a REST request (413 above it): JSON numbers cost several times their text in memory "
+        "and hold the interpreter while parsed; large tensors travel as binary data",
+        check=(lambda v: v >= 1024, "must be >= 1024"))
     grace_period_s: float = option(
         30.0,
         "on SIGTERM/SIGINT: how long in-flight requests may take to finish before the server exits",

@@ -20,6 +20,7 @@ INPUT_NAME = "input"
 OUTPUT_NAME = "output"
 DIM_NAMES = ("N", "Cin", "D", "H", "W")
 REGION_PARAM, OFFSET_PARAM, SIZE_PARAM = "shared_memory_region", "shared_memory_offset", "shared_memory_byte_size"
+CLASSIFICATION_PARAM = "classification"  # Triton's classification extension (not offered: refused, never ignored)
 # The request id is echoed in the response: a longer one is refused, so that no client makes the server hold
 # copies of an upload it chose to make large (an unread response keeps its id in memory).
 MAX_ID_CHARS = 256
@@ -153,6 +154,9 @@ def decode_request(request: pb.ModelInferRequest, spec: ModelSpec, shm=None,
                           f"'{OUTPUT_NAME}'")
     if len(requested) > 1:
         raise invalid(f"output '{OUTPUT_NAME}' is requested {len(requested)} times; request it at most once")
+    if requested and CLASSIFICATION_PARAM in request.outputs[0].parameters:
+        raise unimplemented(f"output '{OUTPUT_NAME}': '{CLASSIFICATION_PARAM}' (the classification extension's "
+                            f"top classes) is not offered; request the probabilities and take the top classes")
 
     shape = _check_shape(spec, list(tensor.shape))
     elements = 1

@@ -20,18 +20,22 @@ Routes (Triton's):
   POST /v2/systemsharedmemory[/region/{region}]/unregister
 
 Bodies are read into one buffer of their announced length (the binary tensors are then viewed in it, not
-copied), at most --max-message-bytes (413 above), and a body that stalls for --http-body-timeout-s is answered
-408. Compressed bodies are refused (415) before any byte is inflated, as gRPC's are by default. JSON bodies of
-more than JSON_INLINE_BYTES are parsed off the event loop, one --max-message-bytes' worth at a time.
+copied), at most --max-message-bytes (413 above), and a body that stalls for --http-timeout-s, or arrives slower
+than MIN_BODY_BYTES_PER_S beyond that, is answered 408. A connection with no request in a handler for
+--http-timeout-s (headers that never complete, an idle keep-alive) is closed, and at most --http-max-connections
+are open (``ConnectionWatch``). Compressed bodies are refused (415) before any byte is inflated, as gRPC's are by
+default. A JSON part over --max-json-bytes is refused (413): parsing holds the interpreter and costs several times
+the text in memory; JSON parts of more than JSON_INLINE_BYTES are parsed off the event loop, one --max-json-bytes'
+worth at a time. ``Expect: 100-continue`` is answered with the refusal instead when the request will be refused.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 from collections.abc import Awaitable, Callable
 
+import orjson
 from aiohttp import web
 
 from voxserve.proto import pb
@@ -56,7 +60,8 @@ HTTP_STATUS = {
     Status.UNIMPLEMENTED: 501, Status.INTERNAL: 500, Status.UNAVAILABLE: 503, Status.DATA_LOSS: 500,
     Status.UNAUTHENTICATED: 401,
 }  # fmt: skip
-JSON_INLINE_BYTES = 64 * 1024  # larger JSON is parsed in a thread: the event loop serves everyone else meanwhile
+JSON_INLINE_BYTES = 64 * 1024  # larger JSON is parsed in a thread (the event loop gets the interpreter in between)
+MIN_BODY_BYTES_PER_S = 1e6  # the slowest average a body may arrive at, beyond --http-timeout-s
 OPEN_ROUTES = frozenset({"ServerLive", "ServerReady", "ModelReady"})  # --open-health: probes without a token
 INFER_ROUTE = "ModelInfer"
 METHOD_PREFIX = "/v2/rest/"  # how a route is named to on_refused (gRPC's "/service/Method")
@@ -76,7 +81,7 @@ def http_status(exc: ServingError) -> int:
 
 
 def _json(doc, status: int = 200) -> web.Response:
-    return web.Response(body=json.dumps(doc, separators=(",", ":")), status=status, content_type="application/json")
+    return web.Response(body=orjson.dumps(doc), status=status, content_type="application/json")
 
 
 def error_response(status: int, message: str, headers: dict[str, str] | None = None) -> web.Response:
@@ -85,6 +90,101 @@ def error_response(status: int, message: str, headers: dict[str, str] | None = N
     if headers:
         response.headers.update(headers)
     return response
+
+
+class _Watched(asyncio.Protocol):
+    """One REST connection: aiohttp's protocol, watched. ``ConnectionWatch`` closes it once it has had no request
+    in a handler for the idle timeout (headers that never complete, a keep-alive connection left open)."""
+
+    def __init__(self, inner: asyncio.Protocol, watch: ConnectionWatch) -> None:
+        self.inner, self.watch = inner, watch
+        self.transport: asyncio.Transport | None = None
+        self.busy = 0  # requests of this connection in a handler now
+        self.idle_since = 0.0
+        self.timer: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport) -> None:  # type: ignore[override]
+        self.transport = transport
+        if not self.watch.opened(self):
+            return
+        self.inner.connection_made(transport)
+
+    def data_received(self, data: bytes) -> None:
+        self.inner.data_received(data)
+
+    def eof_received(self) -> bool | None:
+        return self.inner.eof_received()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.watch.closed(self)
+        self.inner.connection_lost(exc)
+
+    def pause_writing(self) -> None:
+        self.inner.pause_writing()
+
+    def resume_writing(self) -> None:
+        self.inner.resume_writing()
+
+
+class ConnectionWatch:
+    """The REST port's connections: at most ``limit`` open (a newcomer past it is answered 503 and closed, before
+    it can hold a file descriptor the gRPC port needs too), and each closed once it has had no request in a
+    handler for ``idle_timeout_s``: aiohttp has no timeout on headers that never complete, and its keep-alive
+    timer restarts at every byte, so a client trickling header bytes would hold its connection forever."""
+
+    REFUSAL = (b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\nConnection: close\r\n"
+               b"Content-Length: %d\r\n\r\n%s")
+
+    def __init__(self, limit: int, idle_timeout_s: float) -> None:
+        self.limit, self.idle_timeout_s = limit, idle_timeout_s
+        self.open: dict[object, _Watched] = {}  # by transport
+        self.refused = 0
+
+    def opened(self, conn: _Watched) -> bool:
+        assert conn.transport is not None
+        if len(self.open) >= self.limit:
+            self.refused += 1
+            body = orjson.dumps({"error": f"the REST port has {self.limit} connections open, its limit "
+                                          f"(--http-max-connections); retry later"})
+            conn.transport.write(self.REFUSAL % (len(body), body))
+            conn.transport.close()
+            return False
+        self.open[conn.transport] = conn
+        self._arm(conn)
+        return True
+
+    def closed(self, conn: _Watched) -> None:
+        if self.open.get(conn.transport) is conn:
+            del self.open[conn.transport]
+        if conn.timer is not None:
+            conn.timer.cancel()
+
+    def begin(self, transport) -> None:
+        """A request of the connection of ``transport`` entered a handler."""
+        conn = self.open.get(transport)
+        if conn is not None:
+            conn.busy += 1
+
+    def end(self, transport) -> None:
+        conn = self.open.get(transport)
+        if conn is not None:
+            conn.busy -= 1
+            if not conn.busy:
+                conn.idle_since = asyncio.get_running_loop().time()
+
+    def _arm(self, conn: _Watched) -> None:
+        loop = asyncio.get_running_loop()
+        conn.idle_since = loop.time()
+
+        def check() -> None:
+            due = conn.idle_since + self.idle_timeout_s
+            if conn.busy or loop.time() < due:
+                conn.timer = loop.call_at(max(due, loop.time() + self.idle_timeout_s / 4) if conn.busy else due,
+                                          check)
+            elif conn.transport is not None:
+                conn.transport.close()
+
+        conn.timer = loop.call_at(conn.idle_since + self.idle_timeout_s, check)
 
 
 class RestServer:
@@ -105,12 +205,16 @@ class RestServer:
                         if settings.auth_token_file else None)
         self._ssl = security.server_ssl_context(settings.tls_cert or None, settings.tls_key or None,
                                                 settings.tls_client_ca or None)
-        # JSON tensors become Python numbers first (several times their text's size): one body's worth at a time.
-        self._json_budget = ByteBudget(settings.max_message_bytes, "REST JSON body", "--max-message-bytes")
+        # JSON tensors become Python numbers first (several times their text's size), and parsing holds the
+        # interpreter: one --max-json-bytes' worth at a time.
+        self._json_budget = ByteBudget(settings.max_json_bytes, "REST JSON body", "--max-json-bytes")
         self.app = web.Application(middlewares=[self._guard], client_max_size=settings.max_message_bytes)
         self._rpc_of: dict[web.AbstractRoute, str] = {}  # each route's name: the RPC it is the REST form of
         self._add_routes()
         self._runner: web.AppRunner | None = None
+        self._listener: asyncio.Server | None = None
+        self.connections = ConnectionWatch(settings.http_max_connections, settings.http_timeout_s)
+        self.in_progress = 0  # requests in a handler (the drain waits for them too: a body may still be arriving)
 
     @property
     def secure(self) -> bool:
@@ -141,7 +245,7 @@ class RestServer:
                 ("POST", f"{prefix}/infer", INFER_ROUTE, self._infer),
             ]
         for method, path, rpc, handler in routes:
-            route = self.app.router.add_route(method, path, handler)
+            route = self.app.router.add_route(method, path, handler, expect_handler=self._expect)
             self._rpc_of[route] = rpc
 
     # --- lifecycle ---------------------------------------------------------------
@@ -156,18 +260,44 @@ class RestServer:
             # still arriving, a probe) is given this long.
             shutdown_timeout=1.0)
         await self._runner.setup()
-        site = web.TCPSite(self._runner, host.strip("[]"), port, ssl_context=self._ssl,
-                           reuse_port=True if self.shares_port else None, backlog=1024)
-        await site.start()
-        return self._runner.addresses[0][1]
+        server = self._runner.server
+        assert server is not None
+
+        def connection() -> asyncio.Protocol:
+            return _Watched(server(), self.connections)
+
+        # aiohttp's TCPSite, with each connection watched (ConnectionWatch).
+        self._listener = await asyncio.get_running_loop().create_server(
+            connection, host.strip("[]"), port, ssl=self._ssl, reuse_port=True if self.shares_port else None,
+            backlog=1024)
+        return self._listener.sockets[0].getsockname()[1]
 
     async def stop(self) -> None:
         """Stop accepting connections and close them."""
+        if self._listener is not None:
+            self._listener.close()
+            self._listener = None
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None
 
     # --- the edge: tokens, the RPC limit, errors ---------------------------------
+
+    async def _expect(self, request: web.Request) -> web.StreamResponse | None:
+        """``Expect: 100-continue``: the client waits to send its body until told to. A request that will be
+        refused (no token, a body over --max-message-bytes) is refused now, so that the body is never sent."""
+        if request.headers.get("Expect", "").lower() != "100-continue":
+            return None
+        rpc = self._rpc_of.get(request.match_info.route)
+        if self._tokens is not None and not (self.settings.open_health and rpc in OPEN_ROUTES) \
+                and not self._tokens.admits(request.headers.get("Authorization")):
+            return error_response(401, _DENIED, {"WWW-Authenticate": "Bearer", "Connection": "close"})
+        length, limit = request.content_length, self.settings.max_message_bytes
+        if length is not None and length > limit:
+            return error_response(413, _too_large(length, limit, "--max-message-bytes").message,
+                                  {"Connection": "close"})
+        request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")  # (what aiohttp's own expect handler sends)
+        return None
 
     @web.middleware
     async def _guard(self, request: web.Request, handler) -> web.StreamResponse:
@@ -180,7 +310,9 @@ class RestServer:
         try:
             call = self.limiter.admit(_peer(request), method)
         except ServingError as exc:
-            return error_response(HTTP_STATUS[exc.code], exc.message)
+            return error_response(HTTP_STATUS[exc.code], exc.message, {"Connection": "close"})
+        self.in_progress += 1
+        self.connections.begin(request.transport)
         try:
             return await handler(request)
         except ServingError as exc:
@@ -190,12 +322,14 @@ class RestServer:
                 raise
             return error_response(exc.status, f"{request.method} {shown(request.path)}: {exc.reason}")
         finally:
+            self.in_progress -= 1
+            self.connections.end(request.transport)
             self.limiter.release(call)
 
     # --- health, metadata, configuration, statistics -----------------------------
 
     # Health: the status says it (200, or 400 when not: tritonclient reads that), and the body says it too
-    # ({"live": true}: KServe's client reads that).
+    # ({"live": true}: KServe's client reads that when the status is 2xx, and raises on any other).
     async def _server_live(self, request: web.Request) -> web.Response:
         live = (await self.control.ServerLive(pb.ServerLiveRequest())).live
         return _json({"live": live}, 200 if live else 400)
@@ -253,10 +387,10 @@ class RestServer:
         return web.Response(status=200)
 
     async def _small_json(self, request: web.Request) -> dict:
-        body = await self._read_body(request, limit=JSON_INLINE_BYTES)
+        body = await self._read_body(request, limit=JSON_INLINE_BYTES, flag="the register body's own limit")
         try:
-            doc = json.loads(bytes(body))
-        except (ValueError, RecursionError):
+            doc = orjson.loads(body)
+        except orjson.JSONDecodeError:
             raise invalid("the request body is not valid JSON") from None
         if not isinstance(doc, dict):
             raise invalid("the request body must be a JSON object")
@@ -268,16 +402,24 @@ class RestServer:
         loop = asyncio.get_running_loop()
         names = _model(request)
         started = loop.time()
+        header_length = request.headers.get(rest_codec.HEADER_LENGTH)
         try:
             body = await self._read_body(request)
-        except ServingError as exc:
+        except ServingError as exc:  # refused before a request could be read from it: counted here
             self._refused(request, exc.code, http_status(exc), started)
             raise
-        except asyncio.CancelledError:
+        except (asyncio.CancelledError, ConnectionError):  # the client went away while its body arrived
             self._refused(request, Status.CANCELLED, HTTP_STATUS[Status.CANCELLED], started)
-            raise
-        header_length = request.headers.get(rest_codec.HEADER_LENGTH)
-        json_bytes = len(body) if header_length is None else min(len(body), _int_or(header_length, 0))
+            raise asyncio.CancelledError from None
+        try:
+            json_bytes = rest_codec.json_length(header_length, len(body))
+        except ServingError:
+            json_bytes = 0  # parse_infer refuses it again, inside the inference path, which counts it
+        if json_bytes > self.settings.max_json_bytes:
+            self._refused(request, Status.RESOURCE_EXHAUSTED, 413, started)
+            raise HttpError(Status.RESOURCE_EXHAUSTED, 413, f"the request's JSON is {json_bytes} bytes; at most "
+                            f"{self.settings.max_json_bytes} are accepted (--max-json-bytes): send large tensors as "
+                            f"binary data (Triton's binary extension), which the server reads without parsing")
         try:
             if json_bytes <= JSON_INLINE_BYTES:
                 decoded = rest_codec.parse_infer(body, header_length, names["name"], names["version"])
@@ -314,9 +456,11 @@ class RestServer:
                 transport="http", method=f"POST {request.path}"[:200], code=code.name, http_status=status,
                 duration_ms=(asyncio.get_running_loop().time() - started) * 1e3, peer=_peer(request))
 
-    async def _read_body(self, request: web.Request, limit: int | None = None) -> bytearray:
-        """The request's body, in one buffer of its announced length (the chunks are copied in as they arrive).
-        413 over ``limit`` (--max-message-bytes by default), 415 if compressed, 408 if it stalls, 400 if short."""
+    async def _read_body(self, request: web.Request, limit: int | None = None,
+                         flag: str = "--max-message-bytes") -> bytearray:
+        """The request's body, in one buffer of its announced length (the chunks are copied in as they arrive;
+        a chunked body grows its buffer). 413 over ``limit`` (``flag``'s), 415 if compressed, 408 if it sends
+        nothing for --http-timeout-s or arrives slower than MIN_BODY_BYTES_PER_S after that, 400 if short."""
         limit = self.settings.max_message_bytes if limit is None else limit
         encoding = request.headers.get("Content-Encoding", "identity").strip().lower()
         if encoding != "identity":
@@ -324,30 +468,34 @@ class RestServer:
                                                        f"the body uncompressed")
         length = request.content_length
         if length is not None and length > limit:
-            raise _too_large(length, limit)
+            raise _too_large(length, limit, flag)
         buffer = bytearray(length or 0)
-        view = memoryview(buffer)
         received = 0
-        timeout_s = self.settings.http_body_timeout_s
+        loop = asyncio.get_running_loop()
+        timeout_s = self.settings.http_timeout_s
+        # A body may pause for --http-timeout-s, and must arrive at MIN_BODY_BYTES_PER_S on average beyond that:
+        # one that trickles in holds an RPC slot, which gRPC's calls count on too, for a bounded time.
+        deadline = loop.time() + timeout_s + (length or limit) / MIN_BODY_BYTES_PER_S
         while True:
             try:
-                chunk = await asyncio.wait_for(request.content.readany(), timeout_s)
+                chunk = await asyncio.wait_for(request.content.readany(), min(timeout_s, deadline - loop.time()))
             except asyncio.TimeoutError:
-                raise HttpError(Status.DEADLINE_EXCEEDED, 408,
-                                f"the body sent nothing for {timeout_s:g} s (--http-body-timeout-s) after "
-                                f"{received} bytes") from None
+                slow = loop.time() >= deadline
+                raise HttpError(Status.DEADLINE_EXCEEDED, 408, (
+                    f"the body arrived slower than {MIN_BODY_BYTES_PER_S / 1e6:g} MB/s (beyond --http-timeout-s "
+                    f"{timeout_s:g} s): {received} bytes" if slow else
+                    f"the body sent nothing for {timeout_s:g} s (--http-timeout-s) after {received} bytes")) from None
             if not chunk:
                 break
             end = received + len(chunk)
             if length is None:  # chunked: grows, up to the limit
                 if end > limit:
-                    raise _too_large(end, limit)
-                buffer.extend(chunk)
-                view = memoryview(buffer)
+                    raise _too_large(end, limit, flag)
+                buffer += chunk
             elif end > length:  # aiohttp stops at Content-Length: not reached, but never write past the buffer
                 raise invalid(f"the body is longer than its Content-Length {length}")
             else:
-                view[received:end] = chunk
+                buffer[received:end] = chunk
             received = end
         if length is not None and received != length:
             raise invalid(f"the body ended after {received} of its {length} bytes (Content-Length)")
@@ -360,16 +508,9 @@ def _infer_status(code: Status) -> int:
     return HTTP_STATUS[code]
 
 
-def _too_large(nbytes: int, limit: int) -> HttpError:
-    return HttpError(Status.RESOURCE_EXHAUSTED, 413,
-                     f"the request body is {nbytes} bytes; at most {limit} are accepted (--max-message-bytes)")
-
-
-def _int_or(text: str, default: int) -> int:
-    try:
-        return int(text)
-    except ValueError:
-        return default
+def _too_large(nbytes: int, limit: int, flag: str) -> HttpError:
+    return HttpError(Status.RESOURCE_EXHAUSTED, 413, f"the request body is {nbytes} bytes; at most {limit} are "
+                                                     f"accepted ({flag})")
 
 
 def _model(request: web.Request) -> dict[str, str]:

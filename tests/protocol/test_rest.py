@@ -198,7 +198,22 @@ HOSTILE = {
                                  b'"parameters": {"binary_data_size": 324}}]}0123',
                                  {"Inference-Header-Content-Length": "103"}, "runs past the body's end"),
     "bytes nobody claims": (b'{"inputs": []}0123', {"Inference-Header-Content-Length": "14"}, "every byte must"),
-    "huge int parameter": (b'{"inputs": [], "parameters": {"p": 100000000000000000000000}}', {}, "64-bit"),
+    "timeout not an integer": (b'{"inputs": [], "parameters": {"timeout": 1e30}}', {}, "count of microseconds"),
+    "timeout of 400 digits": (b'{"inputs": [], "parameters": {"timeout": 1' + b"0" * 400 + b"}}", {}, "not valid"),
+    "NaN literal": (b'{"inputs": [{"name": "input", "datatype": "FP32", "shape": [1], "data": [NaN]}]}', {},
+                    "not valid"),
+    "data of booleans": (b'{"inputs": [{"name": "input", "datatype": "FP32", "shape": [1, 3, 1, 1, 1], '
+                         b'"data": [true, false, true]}]}', {}, "no booleans"),
+    "data of numeric strings": (b'{"inputs": [{"name": "input", "datatype": "FP32", "shape": [1, 3, 1, 1, 1], '
+                                b'"data": ["0.5", "1", "2"]}]}', {}, "numbers only"),
+    "data with a null": (b'{"inputs": [{"name": "input", "datatype": "FP32", "shape": [1, 3, 1, 1, 1], '
+                         b'"data": [0.5, null, 2]}]}', {}, "numbers only"),
+    "data of 400 digits": (b'{"inputs": [{"name": "input", "datatype": "FP32", "shape": [1], "data": [1'
+                           + b"0" * 400 + b"]}]}", {}, "not valid"),
+    "nested against the shape": (b'{"inputs": [{"name": "input", "datatype": "FP32", "shape": [1, 3, 3, 3, 3], '
+                                 b'"data": ' + json.dumps([[0.0] * 27] * 3).encode() + b"}]}", {}, "nested as [3, 27]"),
+    "header length not plain digits": (b'{"inputs": []}' + b"0" * 10, {"Inference-Header-Content-Length": " +1_4"},
+                                       "decimal digits"),
     "wrong input name": (b'{"inputs": [{"name": "x", "datatype": "FP32", "shape": [1, 3, 3, 3, 3], '
                          b'"data": ' + json.dumps([0.0] * 81).encode() + b"}]}", {}, "unknown input 'x'"),
     "rank 2": (b'{"inputs": [{"name": "input", "datatype": "FP32", "shape": [1, 1], "data": [1]}]}', {}, "rank 2"),
@@ -237,6 +252,77 @@ def test_statuses_follow_the_canonical_codes(server):
     assert status == 504, out
 
 
+def test_classification_is_refused_not_ignored(server):
+    client = httpclient.InferenceServerClient(_url(server))
+    inp = httpclient.InferInput("input", [1, 3, 3, 3, 3], "FP32")
+    inp.set_data_from_numpy(np.zeros((1, 3, 3, 3, 3), np.float32))
+    with pytest.raises(httpclient.InferenceServerException, match="classification") as err:
+        client.infer(MODEL, [inp], outputs=[httpclient.InferRequestedOutput("output", class_count=3)])
+    assert err.value.status() == "501"
+
+
+def test_chunked_bodies_are_read_up_to_the_limit():
+    x = np.random.default_rng().standard_normal((2, 3, 4, 4, 4), dtype=np.float32)
+    with running_server(max_message_bytes=64 * 1024) as srv:
+        assert srv.wait_ready()
+        body = _infer_body(x)
+        chunks = iter([body[i:i + 1000] for i in range(0, len(body), 1000)])
+        request = urllib.request.Request(f"http://{_url(srv)}/v2/models/{MODEL}/infer", data=chunks,
+                                         headers={"Transfer-Encoding": "chunked"})
+        with urllib.request.urlopen(request, timeout=60) as response:
+            y = np.asarray(json.loads(response.read())["outputs"][0]["data"], np.float32).reshape(2, 16)
+        with Client(srv.url) as c:
+            np.testing.assert_array_equal(y, c.infer(x))
+        big = iter([b"[" * 1000] * 100)  # 100 kB, chunked: past the 64 KiB limit as it arrives
+        request = urllib.request.Request(f"http://{_url(srv)}/v2/models/{MODEL}/infer", data=big,
+                                         headers={"Transfer-Encoding": "chunked"})
+        with pytest.raises(urllib.error.HTTPError) as err:
+            urllib.request.urlopen(request, timeout=60)
+        assert err.value.code == 413 and "--max-message-bytes" in _error(err.value.read())
+
+
+def test_a_json_part_over_max_json_bytes_gets_413():
+    x = np.zeros((1, 3, 8, 8, 8), np.float32)
+    with running_server(max_json_bytes=4096) as srv:
+        assert srv.wait_ready()
+        status, _, body = _request(srv, "POST", f"/v2/models/{MODEL}/infer", _infer_body(x))
+        assert status == 413 and "--max-json-bytes" in _error(body) and "binary" in _error(body)
+        header = json.dumps({"inputs": [{"name": "input", "shape": list(x.shape), "datatype": "FP32",
+                                         "parameters": {"binary_data_size": x.nbytes}}]}).encode()
+        status, _, _ = _request(srv, "POST", f"/v2/models/{MODEL}/infer", header + x.tobytes(),
+                                {"Inference-Header-Content-Length": str(len(header))})
+        assert status == 200  # the same tensor as binary data
+
+
+def test_connections_that_never_finish_their_headers_are_closed_and_bounded():
+    """Slowloris: header bytes trickled forever held a connection forever (aiohttp has no header timeout), and
+    enough of them took every file descriptor, gRPC's too. Now a connection without a request in progress is
+    closed after --http-timeout-s, and past --http-max-connections a newcomer is answered 503."""
+    with running_server(http_timeout_s=0.5, http_max_connections=3) as srv:
+        assert srv.wait_ready()
+        port = srv.server.http_port
+        socks = [socket.create_connection(("127.0.0.1", port)) for _ in range(3)]
+        try:
+            for s in socks:
+                s.sendall(b"GET /v2/health/live HTTP/1.1\r\nHo")
+            deadline = time.monotonic() + 10
+            while len(srv.server.rest.connections.open) < 3 and time.monotonic() < deadline:
+                time.sleep(0.01)
+            with socket.create_connection(("127.0.0.1", port)) as extra:
+                extra.settimeout(10)
+                reply = extra.recv(65536).decode()
+            assert reply.startswith("HTTP/1.1 503") and "--http-max-connections" in reply, reply
+            for s in socks:  # trickling: a byte now and then never completes the headers
+                s.sendall(b"s")
+            for s in socks:
+                s.settimeout(10)
+                assert s.recv(65536) == b""  # closed by the server
+        finally:
+            for s in socks:
+                s.close()
+        assert _request(srv, "GET", "/v2/health/live")[0] == 200
+
+
 def test_compressed_bodies_are_refused_unread(server):
     x = np.zeros((1, 3, 3, 3, 3), np.float32)
     status, _, body = _request(server, "POST", f"/v2/models/{MODEL}/infer", gzip.compress(_infer_body(x)),
@@ -255,6 +341,19 @@ def test_a_body_over_the_limit_gets_413_before_it_is_read():
         assert "--max-message-bytes" in reply
 
 
+def test_expect_100_continue_is_refused_before_the_body_when_it_would_be(tmp_path):
+    (tmp_path / "tokens").write_text("t" * 32 + "\n")
+    with running_server(auth_token_file=str(tmp_path / "tokens"), max_message_bytes=4096) as srv:
+        assert srv.wait_ready()
+        for headers, expected in (("", "HTTP/1.1 401"), (f"Authorization: Bearer {'t' * 32}\r\n", "HTTP/1.1 413")):
+            with socket.create_connection(("127.0.0.1", srv.server.http_port)) as sock:
+                sock.sendall(f"POST /v2/models/{MODEL}/infer HTTP/1.1\r\nHost: x\r\n{headers}Content-Length: "
+                             f"{1 << 30}\r\nExpect: 100-continue\r\n\r\n".encode())
+                sock.settimeout(30)
+                reply = sock.recv(65536).decode()
+            assert reply.startswith(expected) and "100 Continue" not in reply, reply
+
+
 def test_huge_headers_get_4xx():
     with running_server() as srv:
         assert srv.wait_ready()
@@ -264,8 +363,8 @@ def test_huge_headers_get_4xx():
 
 
 def test_a_stalled_body_gets_408_and_frees_its_slot():
-    """A client that announces a body and stops sending holds an RPC slot only until --http-body-timeout-s."""
-    with running_server(http_body_timeout_s=0.5, max_concurrent_rpcs=1, max_streams_per_connection=1) as srv:
+    """A client that announces a body and stops sending holds an RPC slot only until --http-timeout-s."""
+    with running_server(http_timeout_s=0.5, max_concurrent_rpcs=1, max_streams_per_connection=1) as srv:
         assert srv.wait_ready()
         with socket.create_connection(("127.0.0.1", srv.server.http_port)) as sock:
             sock.sendall(f"POST /v2/models/{MODEL}/infer HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n\r\n"
@@ -280,7 +379,7 @@ def test_a_stalled_body_gets_408_and_frees_its_slot():
             sock.settimeout(30)
             reply = sock.recv(65536).decode()
         assert reply.startswith("HTTP/1.1 408"), reply
-        assert "--http-body-timeout-s" in reply
+        assert "--http-timeout-s" in reply
         assert _request(srv, "GET", "/v2/health/live")[0] == 200
 
 
@@ -357,6 +456,30 @@ def test_tls_and_mutual_tls(pki):
 
 
 # --- drain ------------------------------------------------------------------------------
+
+
+def test_the_drain_answers_a_request_whose_body_is_still_arriving():
+    with running_server(grace_period_s=20) as srv:
+        assert srv.wait_ready()
+        x = np.zeros((1, 3, 3, 3, 3), np.float32)
+        body = _infer_body(x)
+        with socket.create_connection(("127.0.0.1", srv.server.http_port)) as sock:
+            sock.sendall(f"POST /v2/models/{MODEL}/infer HTTP/1.1\r\nHost: x\r\nContent-Length: {len(body)}\r\n"
+                         f"\r\n".encode() + body[:10])
+            deadline = time.monotonic() + 10
+            while srv.server.rest.in_progress == 0 and time.monotonic() < deadline:
+                time.sleep(0.01)
+            stopping = srv.loop.call_soon_threadsafe  # the drain starts while the body is half sent
+            import concurrent.futures
+
+            drained: concurrent.futures.Future = asyncio.run_coroutine_threadsafe(srv.server.stop(20), srv.loop)
+            time.sleep(1.5)  # longer than the REST server's own shutdown wait
+            sock.sendall(body[10:])
+            sock.settimeout(30)
+            reply = sock.recv(65536).decode()
+            drained.result(30)
+            del stopping
+        assert reply.startswith("HTTP/1.1 503") and "shutting down" in reply, reply
 
 
 def test_a_draining_server_answers_503_and_not_ready():
