@@ -296,7 +296,9 @@ class RestServer:
         if length is not None and length > limit:
             return error_response(413, _too_large(length, limit, "--max-message-bytes").message,
                                   {"Connection": "close"})
-        request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")  # (what aiohttp's own expect handler sends)
+        # What aiohttp's own expect handler does: the interim response, not counted as the response's output.
+        await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+        request.writer.output_size = 0
         return None
 
     @web.middleware

@@ -352,6 +352,14 @@ def test_expect_100_continue_is_refused_before_the_body_when_it_would_be(tmp_pat
                 sock.settimeout(30)
                 reply = sock.recv(65536).decode()
             assert reply.startswith(expected) and "100 Continue" not in reply, reply
+        body = _infer_body(np.zeros((1, 3, 3, 3, 3), np.float32))
+        with socket.create_connection(("127.0.0.1", srv.server.http_port)) as sock:  # one that will be served
+            sock.sendall(f"POST /v2/models/{MODEL}/infer HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {'t' * 32}"
+                         f"\r\nContent-Length: {len(body)}\r\nExpect: 100-continue\r\n\r\n".encode())
+            sock.settimeout(30)
+            assert sock.recv(65536).decode() == "HTTP/1.1 100 Continue\r\n\r\n"
+            sock.sendall(body)
+            assert sock.recv(65536).decode().startswith("HTTP/1.1 200")
 
 
 def test_huge_headers_get_4xx():
