@@ -3,19 +3,30 @@ RPCs over real gRPC (our stubs and tritonclient's) against an in-process server 
 
 from __future__ import annotations
 
+import ast
 import asyncio
 import base64
 import ctypes
 import dataclasses
+import functools
 import gc
+import importlib.util
+import json
 import logging
 import os
 import random
+import subprocess
+import sys
 import threading
+import urllib.error
+import urllib.request
 import uuid
+from pathlib import Path
 
 import grpc
 import pytest
+from google.protobuf import descriptor_pool
+from google.protobuf.message_factory import GetMessageClass
 
 from voxserve.client import Client, InferenceError, SharedMemoryBuffer
 from voxserve.proto import pb, pb_grpc
@@ -35,6 +46,25 @@ CUDA_RPCS = ("CudaSharedMemoryStatus", "CudaSharedMemoryRegister", "CudaSharedMe
 
 
 # --- the protocol ---------------------------------------------------------------------------------------------------
+# tritonclient's descriptors are read from its modules' source into a pool of their own: importing tritonclient.grpc
+# would put its files in protobuf's default pool, where other tests' clients (kserve's) put files of the same names.
+
+@functools.lru_cache(maxsize=1)
+def _tritonclient_pool() -> descriptor_pool.DescriptorPool:
+    spec = importlib.util.find_spec("tritonclient")
+    if spec is None or spec.origin is None:
+        pytest.skip("tritonclient (a test dependency) is not installed")
+    pool = descriptor_pool.DescriptorPool()
+    for module in ("model_config_pb2.py", "service_pb2.py"):
+        tree = ast.parse((Path(spec.origin).parent / "grpc" / module).read_text())
+        pool.AddSerializedFile(next(node.args[0].value for node in ast.walk(tree) if isinstance(node, ast.Call)
+                                    and getattr(node.func, "attr", "") == "AddSerializedFile"))
+    return pool
+
+
+def _triton(name: str):
+    return GetMessageClass(_tritonclient_pool().FindMessageTypeByName(f"inference.{name}"))
+
 
 def _fields(descriptor) -> list:
     """A message's fields, nested messages included, as (name, number, type, repeated) rows."""
@@ -46,14 +76,10 @@ def _fields(descriptor) -> list:
 
 @pytest.mark.parametrize("name", CUDA_MESSAGES)
 def test_messages_match_tritonclients_descriptor(name):
-    from tritonclient.grpc import service_pb2 as triton
-
-    assert _fields(pb.DESCRIPTOR.message_types_by_name[name]) == _fields(triton.DESCRIPTOR.message_types_by_name[name])
+    assert _fields(pb.DESCRIPTOR.message_types_by_name[name]) == _fields(_triton(name).DESCRIPTOR)
 
 
 def test_messages_serialise_byte_identically_to_tritonclients():
-    from tritonclient.grpc import service_pb2 as triton
-
     rnd = random.Random()
     for _ in range(50):
         name = "".join(rnd.choices("abcxyz_-.0", k=rnd.randint(0, 20)))
@@ -61,10 +87,10 @@ def test_messages_serialise_byte_identically_to_tritonclients():
         device_id, byte_size = rnd.randint(-(1 << 63), (1 << 63) - 1), rnd.randint(0, (1 << 64) - 1)
         ours = pb.CudaSharedMemoryRegisterRequest(name=name, raw_handle=handle, device_id=device_id,
                                                   byte_size=byte_size)
-        theirs = triton.CudaSharedMemoryRegisterRequest(name=name, raw_handle=handle, device_id=device_id,
-                                                        byte_size=byte_size)
+        theirs = _triton("CudaSharedMemoryRegisterRequest")(name=name, raw_handle=handle, device_id=device_id,
+                                                            byte_size=byte_size)
         assert ours.SerializeToString(deterministic=True) == theirs.SerializeToString(deterministic=True)
-        status_ours, status_theirs = pb.CudaSharedMemoryStatusResponse(), triton.CudaSharedMemoryStatusResponse()
+        status_ours, status_theirs = pb.CudaSharedMemoryStatusResponse(), _triton("CudaSharedMemoryStatusResponse")()
         for i in range(rnd.randint(0, 3)):
             region = (f"{name}{i}", rnd.randint(0, (1 << 64) - 1), byte_size)
             status_ours.regions[region[0]].CopyFrom(status_ours.RegionStatus(
@@ -73,15 +99,13 @@ def test_messages_serialise_byte_identically_to_tritonclients():
                 name=region[0], device_id=region[1], byte_size=region[2]))
         assert status_ours.SerializeToString(deterministic=True) == status_theirs.SerializeToString(deterministic=True)
         for request in ("CudaSharedMemoryStatusRequest", "CudaSharedMemoryUnregisterRequest"):
-            assert (getattr(pb, request)(name=name).SerializeToString()
-                    == getattr(triton, request)(name=name).SerializeToString())
+            ours_bytes = getattr(pb, request)(name=name).SerializeToString()
+            assert ours_bytes == _triton(request)(name=name).SerializeToString()
 
 
 def test_rpc_paths_are_tritonclients():
-    from tritonclient.grpc import service_pb2 as triton
-
     ours = pb.DESCRIPTOR.services_by_name["GRPCInferenceService"]
-    theirs = triton.DESCRIPTOR.services_by_name["GRPCInferenceService"]
+    theirs = _tritonclient_pool().FindServiceByName("inference.GRPCInferenceService")
     for rpc in CUDA_RPCS:
         mine, triton_method = ours.methods_by_name[rpc], theirs.methods_by_name[rpc]
         assert (ours.full_name, mine.input_type.full_name, mine.output_type.full_name) == (
@@ -412,26 +436,45 @@ def test_an_inference_naming_a_cuda_region_is_refused_with_a_sentence(gpu_less_c
             client.unregister_system_shared_memory()
 
 
+# tritonclient.grpc in a process of its own (as tests/e2e/test_tritonclient.py runs it): see _tritonclient_pool.
+_TRITONCLIENT_GRPC = """
+import base64, json, sys
+import tritonclient.grpc as grpcclient
+from tritonclient.utils import InferenceServerException
+url, handle, garbage = sys.argv[1], bytes.fromhex(sys.argv[2]), bytes.fromhex(sys.argv[3])
+client = grpcclient.InferenceServerClient(url)
+report = {}
+# tritonclient takes cuda_shared_memory.get_raw_handle()'s base64 and sends the raw bytes
+client.register_cuda_shared_memory("t", base64.b64encode(handle), 1, 4096)
+report["status"] = client.get_cuda_shared_memory_status(as_json=True)
+report["one"] = [r.name for r in client.get_cuda_shared_memory_status("t").regions.values()]
+try:
+    client.register_cuda_shared_memory("u", base64.b64encode(garbage), 0, 16)
+except InferenceServerException as exc:
+    report["garbage"] = [exc.status(), exc.message()]
+report["extensions"] = client.get_server_metadata(as_json=True)["extensions"]
+client.unregister_cuda_shared_memory("t")
+report["after"] = client.get_cuda_shared_memory_status(as_json=True)
+client.unregister_cuda_shared_memory()
+client.close()
+print(json.dumps(report))
+"""
+
+
 def test_tritonclients_cuda_shared_memory_calls(gpu_less_cuda_server):
-    tritonclient = pytest.importorskip("tritonclient.grpc")
-    tritonclient_utils = pytest.importorskip("tritonclient.utils")
+    if importlib.util.find_spec("tritonclient") is None:
+        pytest.skip("tritonclient (a test dependency) is not installed")
     srv, fake = gpu_less_cuda_server
     handle = fake.export(4096, device=1)
-    client = tritonclient.InferenceServerClient(srv.url)
-    try:
-        # tritonclient takes cuda_shared_memory.get_raw_handle()'s base64 and sends the raw bytes
-        client.register_cuda_shared_memory("t", base64.b64encode(handle), 1, 4096)
-        status = client.get_cuda_shared_memory_status(as_json=True)
-        assert status["regions"]["t"] == {"name": "t", "device_id": "1", "byte_size": "4096"}
-        assert [r.name for r in client.get_cuda_shared_memory_status("t").regions.values()] == ["t"]
-        with pytest.raises(tritonclient_utils.InferenceServerException) as err:
-            client.register_cuda_shared_memory("u", base64.b64encode(os.urandom(64)), 0, 16)
-        assert err.value.status() == "StatusCode.INVALID_ARGUMENT" and "does not open" in err.value.message()
-        client.unregister_cuda_shared_memory("t")
-        assert not client.get_cuda_shared_memory_status().regions
-        client.unregister_cuda_shared_memory()
-    finally:
-        client.close()
+    proc = subprocess.run([sys.executable, "-c", _TRITONCLIENT_GRPC, srv.url, handle.hex(), os.urandom(64).hex()],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(proc.stdout)
+    assert report["status"]["regions"]["t"] == {"name": "t", "device_id": "1", "byte_size": "4096"}
+    assert report["one"] == ["t"]
+    assert report["garbage"][0] == "StatusCode.INVALID_ARGUMENT" and "does not open" in report["garbage"][1]
+    assert "cuda_shared_memory" in report["extensions"]
+    assert report["after"] == {}
     assert fake.mapped == 0
 
 
@@ -445,3 +488,40 @@ def test_a_server_without_a_device_layer_does_not_offer_cuda_shared_memory(serve
                 (stub.CudaSharedMemoryUnregister, pb.CudaSharedMemoryUnregisterRequest())):
             code, message = _rpc_error(call, request)
             assert code == grpc.StatusCode.UNIMPLEMENTED and "does not offer CUDA shared memory" in message
+
+
+def test_the_rest_routes_with_tritonclient_http(gpu_less_cuda_server):
+    tritonclient_http = pytest.importorskip("tritonclient.http")
+    tritonclient_utils = pytest.importorskip("tritonclient.utils")
+    srv, fake = gpu_less_cuda_server
+    handle = fake.export(2048, device=1)
+    client = tritonclient_http.InferenceServerClient(f"127.0.0.1:{srv.server.http_port}")
+    try:
+        client.register_cuda_shared_memory("h", base64.b64encode(handle), 1, 2000)  # get_raw_handle's form
+        assert client.get_cuda_shared_memory_status() == [{"name": "h", "device_id": 1, "byte_size": 2000}]
+        assert client.get_cuda_shared_memory_status("h") == [{"name": "h", "device_id": 1, "byte_size": 2000}]
+        with pytest.raises(tritonclient_utils.InferenceServerException) as err:
+            client.register_cuda_shared_memory("h2", base64.b64encode(handle[:32]), 1, 16)
+        assert "raw_handle is 32 bytes" in err.value.message()
+        with pytest.raises(tritonclient_utils.InferenceServerException) as err:
+            client.register_cuda_shared_memory("h", base64.b64encode(fake.export(16)), 0, 16)
+        assert "already registered" in err.value.message()
+        client.unregister_cuda_shared_memory("h")
+        assert client.get_cuda_shared_memory_status() == []
+        client.unregister_cuda_shared_memory()
+    finally:
+        client.close()
+    assert fake.mapped == 0
+
+
+@pytest.mark.parametrize("body", [{}, {"raw_handle": "abc", "byte_size": 16},
+                                  {"raw_handle": {"b64": "!!"}, "byte_size": 16},
+                                  {"raw_handle": {"b64": "AAAA"}, "byte_size": -1},
+                                  {"raw_handle": {"b64": "AAAA"}, "byte_size": 16, "device_id": True}])
+def test_rest_register_bodies_that_are_refused(gpu_less_cuda_server, body):
+    srv, _ = gpu_less_cuda_server
+    request = urllib.request.Request(f"http://127.0.0.1:{srv.server.http_port}/v2/cudasharedmemory/region/r/register",
+                                     data=json.dumps(body).encode(), method="POST")
+    with pytest.raises(urllib.error.HTTPError) as err:
+        urllib.request.urlopen(request, timeout=30)
+    assert err.value.code == 400 and "register body" in json.loads(err.value.read())["error"]
