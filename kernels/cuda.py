@@ -5,7 +5,8 @@ by VOXSERVE_KERNEL_LIBRARY; it is loaded once per process, on first use. The
 launches go on PyTorch's current stream, so the op works under
 ``torch.cuda.graph`` capture and beside any other PyTorch work. Besides the
 forward pass: the launch plan (``plan``), a stream's completion written to an
-eventfd (``notify``) and one-call gathers of host spans (``copy_spans``).
+eventfd (``notify``), one-call gathers of host spans (``copy_spans``) and another
+process's device memory opened from its CUDA IPC handle (``ipc_open``/``ipc_close``).
 """
 
 from __future__ import annotations
@@ -39,7 +40,9 @@ ENTRY_POINTS = ("voxserve_last_error", "voxserve_is_specialised", "voxserve_work
                 "voxserve_plan", "voxserve_notify", "voxserve_copy_spans", "voxserve_execution_size",
                 "voxserve_events_create", "voxserve_events_destroy", "voxserve_event_query",
                 "voxserve_event_synchronize", "voxserve_elapsed_ms", "voxserve_graph_capture",
-                "voxserve_graph_destroy", "voxserve_execute")
+                "voxserve_graph_destroy", "voxserve_execute", "voxserve_ipc_open", "voxserve_ipc_close",
+                "voxserve_error_name")
+IPC_HANDLE_BYTES = 64  # CUDA_IPC_HANDLE_SIZE
 EVENTS = 5  # per execution: DMA in start and end, kernel start and end, result back
 
 
@@ -106,6 +109,14 @@ class _Library:
         lib.voxserve_graph_destroy.restype = None
         lib.voxserve_execute.argtypes = [ctypes.POINTER(Execution)]
         lib.voxserve_execute.restype = i
+        ull = ctypes.c_ulonglong
+        lib.voxserve_ipc_open.argtypes = [ctypes.c_char_p, i, ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(ull),
+                                          ctypes.POINTER(ull), ctypes.POINTER(ctypes.c_int)]
+        lib.voxserve_ipc_open.restype = i
+        lib.voxserve_ipc_close.argtypes = [p, i]
+        lib.voxserve_ipc_close.restype = i
+        lib.voxserve_error_name.argtypes = [i]
+        lib.voxserve_error_name.restype = ctypes.c_char_p
         self.lib = lib
         self.path = path
 
@@ -372,6 +383,42 @@ def execute(ex: Execution) -> None:
     lib = _library.lib if _library is not None else library().lib
     if lib.voxserve_execute(ctypes.byref(ex)) != 0:
         _check(1, "voxserve_execute")
+
+
+class IpcError(Exception):
+    """A CUDA IPC call that failed: ``code`` the CUDA error number, ``name`` CUDA's name for it, the message the
+    library's (which call, CUDA's description)."""
+
+    def __init__(self, code: int, name: str, message: str) -> None:
+        super().__init__(message)
+        self.code, self.name = code, name
+
+
+def _ipc_error(lib, rc: int) -> IpcError:
+    return IpcError(rc, (lib.voxserve_error_name(rc) or b"").decode(), lib.voxserve_last_error().decode())
+
+
+def ipc_open(handle: bytes, device: int) -> tuple[int, int, int, int]:
+    """Open another process's cudaIpcMemHandle_t (its ``IPC_HANDLE_BYTES`` raw bytes) in ``device``'s primary
+    context: (address, allocation base, allocation size, the memory's device ordinal); IpcError if it does not
+    open (nothing stays open, and CUDA's last error is cleared)."""
+    if len(handle) != IPC_HANDLE_BYTES:
+        raise ValueError(f"a CUDA IPC handle is {IPC_HANDLE_BYTES} bytes, not {len(handle)}")
+    lib = library().lib
+    ptr, base, size, ordinal = ctypes.c_void_p(), ctypes.c_ulonglong(), ctypes.c_ulonglong(), ctypes.c_int()
+    rc = lib.voxserve_ipc_open(handle, device, ctypes.byref(ptr), ctypes.byref(base), ctypes.byref(size),
+                               ctypes.byref(ordinal))
+    if rc != 0:
+        raise _ipc_error(lib, rc)
+    return int(ptr.value or 0), base.value, size.value, ordinal.value
+
+
+def ipc_close(address: int, device: int) -> None:
+    """Close what ipc_open mapped at ``address`` in ``device``'s context; IpcError if CUDA refuses."""
+    lib = library().lib
+    rc = lib.voxserve_ipc_close(address, device)
+    if rc != 0:
+        raise _ipc_error(lib, rc)
 
 
 def dtype_code(dtype: torch.dtype) -> int:

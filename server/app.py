@@ -11,11 +11,13 @@ import signal
 from typing import TYPE_CHECKING
 
 from . import eventloop, logs, tracing
+from .core.devicemem import CudaDeviceMemory, DeviceMemory
 from .core.errors import StartupError
 from .core.heap import freeze_startup_objects
 from .metrics import Metrics, latency_buckets
 from .protocol.codec import ModelSpec
 from .protocol.control import ControlService
+from .protocol.cudashm import CudaSharedMemoryRegistry
 from .protocol.inference import InferenceService
 from .protocol.rest import METHOD_PREFIX as REST_METHOD_PREFIX
 from .protocol.rest import RestServer
@@ -40,7 +42,8 @@ STANDALONE = Role()
 class VoxServer:
     """One voxserve process that serves gRPC and REST: its model (in process, or in the engines of a front end),
     its gRPC server, its REST server (unless --http-port -1) and its metrics. ``role`` says which (standalone, one
-    of --replicas, a front end of --frontends).
+    of --replicas, a front end of --frontends). ``device_memory``: the device layer of CUDA shared memory instead
+    of the CUDA devices' (found once the model runs on them; tests give a fake).
 
     Construct it inside the event loop that will run it (grpc.aio binds to that loop).
 
@@ -51,7 +54,8 @@ class VoxServer:
     requests; ``span_exporter``: where the spans go instead of what OTEL_* asks for (the tests' in-memory one).
     """
 
-    def __init__(self, settings: Settings, role: Role = STANDALONE, span_exporter: SpanExporter | None = None) -> None:
+    def __init__(self, settings: Settings, role: Role = STANDALONE, span_exporter: SpanExporter | None = None,
+                 device_memory: DeviceMemory | None = None) -> None:
         self.settings = settings
         self.role = role
         self.state = ServingState(max_batch=settings.max_batch)
@@ -69,6 +73,9 @@ class VoxServer:
                                         self.shm, settings.stream_idle_timeout_s, settings.max_shm_inflight_bytes,
                                         self.tracer, self.access_log)
         self.control = ControlService(self.state, settings.model_name, settings.model_version, self.shm)
+        self.cuda_shm: CudaSharedMemoryRegistry | None = None
+        if device_memory is not None:
+            self._offer_cuda_shm(device_memory)
         self.grpc = GrpcServer(settings, self.control, self.service, role.supervised, self._count_refused)
         self.limiter = self.grpc.limiter
         self.rest = RestServer(settings, self.control, self.service, self.limiter, role.supervised,
@@ -81,6 +88,12 @@ class VoxServer:
         self.load_error: BaseException | None = None
         self._weights: Weights | None = None  # read before the ports open; None for a front end
         self._lost_task: asyncio.Task[None] | None = None
+
+    def _offer_cuda_shm(self, devices: DeviceMemory) -> None:
+        """Serve CUDA shared memory through ``devices``: its registry, the RPCs, the extension in the metadata."""
+        shared = os.path.join(self.role.run_dir, "regions") if self.role.supervised else None
+        self.cuda_shm = CudaSharedMemoryRegistry(devices, self.settings.max_cuda_shm_regions, self.shm, shared)
+        self.shm.cuda = self.control.cuda_shm = self.cuda_shm
 
     def _count_refused(self, code: str, method: str) -> None:
         """Count an inference call refused before its handler ran (a bad token, the RPC limit)."""
@@ -139,6 +152,11 @@ class VoxServer:
             self.state.spec = ModelSpec(s.model_name, s.model_version, cin, cout, k, s.max_request_samples,
                                         s.max_request_voxels)
             self.state.device, self.state.kernel = devices, kernel
+            if self.cuda_shm is None and self.role.kind != FRONTEND and devices.startswith("cuda"):
+                from voxserve.kernels import cuda as cuda_kernels
+
+                if cuda_kernels.load_problem() is None:  # the kernel library opens the handles
+                    self._offer_cuda_shm(CudaDeviceMemory())
             self.metrics.set_build(devices, kernel)
             if not self.state.draining:
                 freeze_startup_objects()
@@ -197,6 +215,8 @@ class VoxServer:
             self._publish_task.cancel()
             self.state.stats.publish()  # the final figures, for the replicas still answering
         self.shm.close()
+        if self.cuda_shm is not None:
+            self.cuda_shm.close()
         if self.tracer is not None:  # the spans still buffered go out now
             await asyncio.to_thread(self.tracer.shutdown)
         stats = self.state.stats.snapshot()

@@ -103,6 +103,11 @@ class Settings:
         8 * 1024 * MiB,
         "most bytes of shared memory mapped across all regions",
         check=(lambda v: v >= 0, "must be >= 0"))
+    max_cuda_shm_regions: int = option(
+        64,
+        "most CUDA shared-memory regions registered at once (each maps a client's device memory into the server "
+        "until it is unregistered; a region unregistered while requests use it is closed when they finish)",
+        check=(lambda v: v >= 0, "must be >= 0"))
     max_request_samples: int = option(
         1024,
         "most samples one request may carry (RESOURCE_EXHAUSTED above it)",

@@ -33,6 +33,7 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
+#include <cudaTypedefs.h>  // the driver's function types only: driver calls go through cudaGetDriverEntryPointByVersion
 
 #include <unistd.h>
 
@@ -1770,5 +1771,103 @@ int voxserve_execute(VoxExecution* e) {
   }
   return 0;
 }
+
+}  // extern "C"
+
+// ---------------------------------------------------------------------------
+// CUDA shared memory (server/core/devicemem.py): another process's device memory, opened from its IPC handle.
+// The two driver calls are fetched through the runtime, so the library still links without libcuda (CI builds it
+// with nvcc alone). A failed call is an API error, not a device fault, but the runtime keeps it as its last error:
+// it is cleared here, or the next check_launch on this thread would blame a kernel launch for it.
+
+namespace {
+
+int ipc_fail(const char* what, cudaError_t err) {
+  snprintf(g_error, sizeof g_error, "%s failed: %s (%s)", what, cudaGetErrorString(err), cudaGetErrorName(err));
+  cudaGetLastError();
+  return static_cast<int>(err);
+}
+
+int driver_fail(const char* what, CUresult res) {
+  snprintf(g_error, sizeof g_error, "%s failed: CUDA driver error %d", what, static_cast<int>(res));
+  cudaGetLastError();
+  return static_cast<int>(res);
+}
+
+// The driver's `symbol` as of CUDA 12.0 (its ABI then), or nullptr with g_error set.
+void* driver_entry(const char* symbol) {
+  void* fn = nullptr;
+  cudaDriverEntryPointQueryResult found = cudaDriverEntryPointSymbolNotFound;
+  const cudaError_t err = cudaGetDriverEntryPointByVersion(symbol, &fn, 12000, cudaEnableDefault, &found);
+  if (err != cudaSuccess || found != cudaDriverEntryPointSuccess || fn == nullptr) {
+    snprintf(g_error, sizeof g_error, "the CUDA driver has no %s (%s)", symbol,
+             err != cudaSuccess ? cudaGetErrorName(err) : "symbol not found");
+    cudaGetLastError();
+    return nullptr;
+  }
+  return fn;
+}
+
+}  // namespace
+
+extern "C" {
+
+// Open the 64-byte cudaIpcMemHandle_t at `handle` (exported by another process) in `device`'s primary context:
+// *ptr the mapped address, *base and *size the allocation that contains it (cuMemGetAddressRange: the exporter's
+// allocation, so the caller can bound what a client claims), *ordinal the memory's device as this process numbers
+// it. Returns 0, or the failing call's CUDA error number with voxserve_last_error() (nothing stays open).
+int voxserve_ipc_open(const void* handle, int device, void** ptr, unsigned long long* base, unsigned long long* size,
+                      int* ordinal) {
+  g_error[0] = '\0';
+  *ptr = nullptr;
+  static_assert(sizeof(cudaIpcMemHandle_t) == CUDA_IPC_HANDLE_SIZE, "a raw handle is CUDA_IPC_HANDLE_SIZE bytes");
+  cudaError_t err = cudaSetDevice(device);
+  if (err != cudaSuccess) return ipc_fail("cudaSetDevice", err);
+  cudaIpcMemHandle_t h;
+  memcpy(&h, handle, sizeof h);
+  void* opened = nullptr;
+  err = cudaIpcOpenMemHandle(&opened, h, cudaIpcMemLazyEnablePeerAccess);
+  if (err != cudaSuccess) return ipc_fail("cudaIpcOpenMemHandle", err);
+  auto range = reinterpret_cast<PFN_cuMemGetAddressRange_v3020>(driver_entry("cuMemGetAddressRange"));
+  auto attribute = reinterpret_cast<PFN_cuPointerGetAttribute_v4000>(driver_entry("cuPointerGetAttribute"));
+  int rc = 1;
+  if (range != nullptr && attribute != nullptr) {
+    CUdeviceptr b = 0;
+    size_t n = 0;
+    const CUresult got_range = range(&b, &n, reinterpret_cast<CUdeviceptr>(opened));
+    int dev = -1;
+    const CUresult got_dev = got_range == CUDA_SUCCESS
+        ? attribute(&dev, CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL, reinterpret_cast<CUdeviceptr>(opened))
+        : got_range;
+    if (got_range != CUDA_SUCCESS) {
+      rc = driver_fail("cuMemGetAddressRange", got_range);
+    } else if (got_dev != CUDA_SUCCESS) {
+      rc = driver_fail("cuPointerGetAttribute(DEVICE_ORDINAL)", got_dev);
+    } else {
+      *ptr = opened;
+      *base = static_cast<unsigned long long>(b);
+      *size = static_cast<unsigned long long>(n);
+      *ordinal = dev;
+      return 0;
+    }
+  }
+  cudaIpcCloseMemHandle(opened);  // the query failed: the caller gets nothing to close
+  cudaGetLastError();
+  return rc;
+}
+
+// Close a mapping of voxserve_ipc_open (opened in `device`'s context). Returns 0, or the CUDA error number with
+// voxserve_last_error().
+int voxserve_ipc_close(void* ptr, int device) {
+  g_error[0] = '\0';
+  cudaError_t err = cudaSetDevice(device);
+  if (err != cudaSuccess) return ipc_fail("cudaSetDevice", err);
+  err = cudaIpcCloseMemHandle(ptr);
+  if (err != cudaSuccess) return ipc_fail("cudaIpcCloseMemHandle", err);
+  return 0;
+}
+
+// CUDA's name for an error number the two calls above returned ("cudaErrorInvalidResourceHandle").
+const char* voxserve_error_name(int err) { return cudaGetErrorName(static_cast<cudaError_t>(err)); }
 
 }  // extern "C"

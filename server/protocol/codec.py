@@ -128,7 +128,8 @@ def shared_memory_input_bytes(request: pb.ModelInferRequest) -> int | None:
 def decode_request(request: pb.ModelInferRequest, spec: ModelSpec, shm=None,
                    raw_contents: Sequence[bytes | memoryview] | None = None) -> InferInput:
     """Validate ``request`` against the model and return its input as an array (a zero-copy view of
-    raw bytes; a private copy of shared memory). ``shm``: the SharedMemoryRegistry, if the server has one.
+    raw bytes; a private copy of shared memory). ``shm``: the SharedMemoryRegistry, if the server has one (with its
+    CUDA regions, ``shm.cuda``, if it has those: a tensor in one is refused with UNIMPLEMENTED for now).
     ``raw_contents``: the raw tensor bytes when they were kept out of the message (server/protocol/wire.py)."""
     if raw_contents is None:
         raw_contents = request.raw_input_contents
@@ -144,6 +145,12 @@ def decode_request(request: pb.ModelInferRequest, spec: ModelSpec, shm=None,
     output_shm = _shm_ref(request.outputs[0].parameters, f"output '{OUTPUT_NAME}'") if request.outputs else None
     if (input_shm or output_shm) and shm is None:
         raise unimplemented("this server does not offer system shared memory")
+    if shm is not None and shm.cuda is not None:
+        for ref, what in ((input_shm, f"input '{INPUT_NAME}'"), (output_shm, f"output '{OUTPUT_NAME}'")):
+            if ref is not None and shm.cuda.holds(ref.region):
+                raise unimplemented(f"{what} names CUDA shared-memory region {ref.region!r}: this server registers "
+                                    f"CUDA shared memory but does not yet read inputs from it or write outputs to "
+                                    f"it; send the tensor in the request or in system shared memory")
     if tensor.datatype not in INPUT_DATATYPES:
         raise invalid(f"input '{INPUT_NAME}' has datatype '{shown(tensor.datatype)}'; supported: "
                       f"{', '.join(INPUT_DATATYPES)}")

@@ -1,5 +1,6 @@
 """The control RPCs of the Open Inference Protocol: liveness and readiness, server and model metadata, the model
-configuration, statistics, and system shared-memory registration. Cold paths: one call does little work.
+configuration, statistics, and shared-memory registration (system and CUDA). Cold paths: one call does little
+work.
 
 Each method takes the request message and returns the response message, or raises ServingError: no transport
 here. The gRPC service (``service.add_to_server``) and the REST front end (``rest.py``) call the same methods
@@ -14,7 +15,8 @@ from ..core.errors import unimplemented
 from ..core.stats import Duration
 from . import codec
 from .codec import ModelSpec
-from .service import EXTENSIONS, PLATFORM, ServingState
+from .cudashm import CudaSharedMemoryRegistry
+from .service import CUDA_SHM_EXTENSION, EXTENSIONS, PLATFORM, ServingState
 from .shm import SharedMemoryRegistry
 
 
@@ -24,9 +26,12 @@ def _duration(d: Duration) -> pb.StatisticDuration:
 
 class ControlService:
     def __init__(self, state: ServingState, model_name: str, model_version: str,
-                 shm: SharedMemoryRegistry | None = None) -> None:
+                 shm: SharedMemoryRegistry | None = None, cuda_shm: CudaSharedMemoryRegistry | None = None) -> None:
         self.state = state
         self.shm = shm
+        # None in a server without a device layer of its own (a CPU server, a front end): the CUDA RPCs are
+        # UNIMPLEMENTED there and the extension is not listed, as its metadata must tell a client what works.
+        self.cuda_shm = cuda_shm
         self.model_name = model_name
         self.model_version = model_version
 
@@ -44,7 +49,8 @@ class ControlService:
         return pb.ModelReadyResponse(ready=self.state.ready)
 
     async def ServerMetadata(self, request):
-        return pb.ServerMetadataResponse(name="voxserve", version=__version__, extensions=list(EXTENSIONS))
+        extensions = [*EXTENSIONS, *([CUDA_SHM_EXTENSION] if self.cuda_shm is not None else [])]
+        return pb.ServerMetadataResponse(name="voxserve", version=__version__, extensions=extensions)
 
     async def ModelMetadata(self, request):
         spec = self._check_model(request.name, request.version)
@@ -118,6 +124,29 @@ class ControlService:
         if self.shm is None:
             raise unimplemented("this server does not offer system shared memory")
         return fn(*args)
+
+    # --- CUDA shared memory -------------------------------------------------------
+
+    async def CudaSharedMemoryRegister(self, request):
+        await self._cuda().register(request.name, request.raw_handle, request.device_id, request.byte_size)
+        return pb.CudaSharedMemoryRegisterResponse()
+
+    async def CudaSharedMemoryUnregister(self, request):
+        await self._cuda().unregister(request.name)
+        return pb.CudaSharedMemoryUnregisterResponse()
+
+    async def CudaSharedMemoryStatus(self, request):
+        response = pb.CudaSharedMemoryStatusResponse()
+        for r in self._cuda().status(request.name):  # never the handle: it maps the client's memory
+            response.regions[r.name].CopyFrom(pb.CudaSharedMemoryStatusResponse.RegionStatus(
+                name=r.name, device_id=r.device_id, byte_size=r.byte_size))
+        return response
+
+    def _cuda(self) -> CudaSharedMemoryRegistry:
+        if self.cuda_shm is None:
+            raise unimplemented("this server does not offer CUDA shared memory: no process of it that answers RPCs "
+                                "runs the model on a CUDA device (a CPU server, or a front end of --frontends)")
+        return self.cuda_shm
 
     def _check_model(self, name: str, version: str, reveal: bool = True) -> ModelSpec | None:
         codec.check_model(self.model_name, self.model_version, name, version, reveal)

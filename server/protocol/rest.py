@@ -32,6 +32,7 @@ worth at a time. ``Expect: 100-continue`` is answered with the refusal instead w
 from __future__ import annotations
 
 import asyncio
+import base64
 import logging
 from collections.abc import Awaitable, Callable
 
@@ -235,6 +236,13 @@ class RestServer:
             ("POST", "/v2/systemsharedmemory/unregister", "SystemSharedMemoryUnregister", self._shm_unregister),
             ("POST", "/v2/systemsharedmemory/region/{region}/unregister", "SystemSharedMemoryUnregister",
              self._shm_unregister),
+            ("GET", "/v2/cudasharedmemory/status", "CudaSharedMemoryStatus", self._cuda_shm_status),
+            ("GET", "/v2/cudasharedmemory/region/{region}/status", "CudaSharedMemoryStatus", self._cuda_shm_status),
+            ("POST", "/v2/cudasharedmemory/region/{region}/register", "CudaSharedMemoryRegister",
+             self._cuda_shm_register),
+            ("POST", "/v2/cudasharedmemory/unregister", "CudaSharedMemoryUnregister", self._cuda_shm_unregister),
+            ("POST", "/v2/cudasharedmemory/region/{region}/unregister", "CudaSharedMemoryUnregister",
+             self._cuda_shm_unregister),
         ]
         for prefix in (model, versioned):
             routes += [
@@ -386,6 +394,35 @@ class RestServer:
     async def _shm_unregister(self, request: web.Request) -> web.Response:
         await self.control.SystemSharedMemoryUnregister(
             pb.SystemSharedMemoryUnregisterRequest(name=request.match_info.get("region", "")))
+        return web.Response(status=200)
+
+    # --- CUDA shared memory ----------------------------------------------------------
+
+    async def _cuda_shm_status(self, request: web.Request) -> web.Response:
+        response = await self.control.CudaSharedMemoryStatus(
+            pb.CudaSharedMemoryStatusRequest(name=request.match_info.get("region", "")))
+        return _json([rest_codec.message_json(region) for region in response.regions.values()])
+
+    async def _cuda_shm_register(self, request: web.Request) -> web.Response:
+        body = await self._small_json(request)
+        handle, device_id, byte_size = body.get("raw_handle"), body.get("device_id", 0), body.get("byte_size")
+        encoded = handle.get("b64") if isinstance(handle, dict) else None
+        if not isinstance(encoded, str):
+            raise invalid("the register body's 'raw_handle' must be {\"b64\": \"<the handle's bytes in base64>\"}")
+        try:
+            raw = base64.b64decode(encoded, validate=True)
+        except ValueError:
+            raise invalid("the register body's 'raw_handle.b64' is not base64") from None
+        for name, value, low in (("device_id", device_id, -(1 << 63)), ("byte_size", byte_size, 0)):
+            if not isinstance(value, int) or isinstance(value, bool) or not low <= value < 1 << 63:
+                raise invalid(f"the register body's '{name}' must be an integer" + (" >= 0" if low == 0 else ""))
+        await self.control.CudaSharedMemoryRegister(pb.CudaSharedMemoryRegisterRequest(
+            name=request.match_info["region"], raw_handle=raw, device_id=device_id, byte_size=byte_size))
+        return web.Response(status=200)
+
+    async def _cuda_shm_unregister(self, request: web.Request) -> web.Response:
+        await self.control.CudaSharedMemoryUnregister(
+            pb.CudaSharedMemoryUnregisterRequest(name=request.match_info.get("region", "")))
         return web.Response(status=200)
 
     async def _small_json(self, request: web.Request) -> dict:

@@ -28,6 +28,8 @@ if TYPE_CHECKING:
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["GRPCInferenceService"].full_name
 PLATFORM = "voxserve_fused_conv3d"
 EXTENSIONS = ("model_configuration", "statistics", "streaming", "system_shared_memory")
+# Listed only by a server with a device layer (control.py): a CPU server answers the CUDA RPCs UNIMPLEMENTED.
+CUDA_SHM_EXTENSION = "cuda_shared_memory"
 
 
 @dataclass

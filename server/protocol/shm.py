@@ -24,10 +24,14 @@ import stat
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from ..core.errors import ServingError, Status, exhausted, invalid, not_found, shown
+
+if TYPE_CHECKING:
+    from .cudashm import CudaSharedMemoryRegistry
 
 SHM_DIR = "/dev/shm"
 _KEY = re.compile(r"/?([A-Za-z0-9_.-]{1,200})")  # used with fullmatch: '$' would let a trailing newline through
@@ -80,6 +84,8 @@ class SharedMemoryRegistry:
         # server/protocol/inference.py); a GPU server installs a pinned-memory allocator
         # so that the one copy out of the client's segment is also the one the GPU copies from.
         self.allocate: Callable[[int], memoryview] = lambda n: np.empty(n, np.uint8).data
+        # The CUDA regions (cudashm.py), when the server has them: one namespace with this registry's.
+        self.cuda: CudaSharedMemoryRegistry | None = None
 
     def register(self, name: str, key: str, offset: int, byte_size: int) -> None:
         """Register ``byte_size`` bytes at ``offset`` of segment ``key`` as region ``name``, bound to the file
@@ -94,6 +100,8 @@ class SharedMemoryRegistry:
             raise invalid(f"region {name!r}: byte_size {byte_size} must be > 0")
         if offset < 0:
             raise invalid(f"region {name!r}: offset {offset} must be >= 0")
+        if self.cuda is not None and self.cuda.holds(name):
+            raise ServingError(Status.ALREADY_EXISTS, f"region {name!r} is already registered (as CUDA shared memory)")
         with self._lock:
             self._sync_all()
             if name in self._regions:

@@ -1,0 +1,108 @@
+"""Another process's device memory, opened from its CUDA IPC handle: the device layer under CUDA shared memory.
+
+``DeviceMemory`` is the boundary; two implementations stand behind it, both tested against one contract
+(tests/kernels/test_devicemem_contract.py): ``CudaDeviceMemory`` here, over the kernel library's
+``voxserve_ipc_open``/``voxserve_ipc_close`` (kernels/csrc/fused.cu: plain CUDA, the same primary context as the
+launches, no cuda-python in the server), and ``voxserve.testing.fake_devicemem.FakeDeviceMemory``, host memory
+behind made-up handles, so that the registry and the RPCs are tested in CI without a GPU.
+
+A handle is a capability: whoever holds its 64 bytes can map the exporter's memory. Nothing here logs or returns
+one. A failure is a ``DeviceMemoryError``: a sentence for the client (never an exception's text) and CUDA's name
+for the error.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+HANDLE_BYTES = 64  # CUDA_IPC_HANDLE_SIZE: a cudaIpcMemHandle_t, sent raw over gRPC
+
+# CUDA's errors for a handle that does not open (cuda_runtime_api.h, cudaIpcOpenMemHandle), as the client is told.
+_OPEN_REASONS = {
+    "cudaErrorInvalidResourceHandle": "it is not a live CUDA IPC handle: export it with cudaIpcGetMemHandle from "
+                                      "another process, on memory from cudaMalloc that is still allocated",
+    "cudaErrorInvalidValue": "it is not a live CUDA IPC handle: export it with cudaIpcGetMemHandle from another "
+                             "process, on memory from cudaMalloc that is still allocated",
+    "cudaErrorDeviceUninitialized": "the driver refuses it (invalid device context): it was exported by the "
+                                    "server's own process, or by a process whose PID namespace differs (run the "
+                                    "containers with --pid=host)",
+    "cudaErrorAlreadyMapped": "this server already maps that memory through another handle: unregister the region "
+                              "that maps it first",
+    "cudaErrorMapBufferObjectFailed": "the driver could not map the memory on this device",
+    "cudaErrorTooManyPeers": "the memory's device cannot be reached from this device (too many peer mappings)",
+    "cudaErrorPeerAccessUnsupported": "the memory's device cannot be reached from this device (no peer access)",
+    "cudaErrorNotSupported": "this device or driver does not support CUDA IPC",
+    "cudaErrorInvalidDevice": "the device is not usable by this server",
+}
+
+
+@dataclass(frozen=True)
+class Mapping:
+    """One opened handle in this process. ``size``: the bytes from ``address`` to the end of the exporter's
+    allocation (its real extent, whatever the client claims); ``base``: that allocation's start; ``device``: the
+    memory's device as this process numbers it; ``opened_on``: the device whose context holds the mapping."""
+
+    address: int
+    size: int
+    base: int
+    device: int
+    opened_on: int
+
+
+class DeviceMemoryError(Exception):
+    """A handle that does not open (or a mapping that does not close): ``reason`` is a sentence that can be shown to
+    the client; ``cuda_error`` CUDA's name for the error ('' when CUDA was not asked)."""
+
+    def __init__(self, reason: str, cuda_error: str = "") -> None:
+        super().__init__(reason)
+        self.reason = reason
+        self.cuda_error = cuda_error
+
+    def __repr__(self) -> str:
+        return f"DeviceMemoryError({self.reason!r}, {self.cuda_error!r})"
+
+
+class DeviceMemory(Protocol):
+    """What the CUDA shared-memory registry needs of the devices. ``open`` and ``close`` may take milliseconds:
+    call them off the event loop."""
+
+    def device_count(self) -> int:
+        """The CUDA devices this process sees (a request's device_id is checked against it)."""
+
+    def open(self, handle: bytes, device: int) -> Mapping:
+        """Map the memory the ``HANDLE_BYTES``-byte ``handle`` names, in ``device``'s context; DeviceMemoryError
+        if it does not open (then nothing stays mapped)."""
+
+    def close(self, mapping: Mapping) -> None:
+        """Unmap what ``open`` returned (once per open); DeviceMemoryError if CUDA refuses."""
+
+
+class CudaDeviceMemory:
+    """DeviceMemory on the CUDA devices, through the kernel library (which is built or loaded on first use)."""
+
+    def __init__(self) -> None:
+        import torch
+
+        from voxserve.kernels import cuda
+
+        self._cuda = cuda
+        self._count = torch.cuda.device_count()
+
+    def device_count(self) -> int:
+        return self._count
+
+    def open(self, handle: bytes, device: int) -> Mapping:
+        if len(handle) != HANDLE_BYTES:  # the library reads exactly HANDLE_BYTES
+            raise DeviceMemoryError(f"a CUDA IPC handle is {HANDLE_BYTES} bytes, not {len(handle)}")
+        try:
+            address, base, size, ordinal = self._cuda.ipc_open(handle, device)
+        except self._cuda.IpcError as exc:
+            raise DeviceMemoryError(_OPEN_REASONS.get(exc.name, f"CUDA refuses it ({exc.name})"), exc.name) from None
+        return Mapping(address, base + size - address, base, ordinal, device)
+
+    def close(self, mapping: Mapping) -> None:
+        try:
+            self._cuda.ipc_close(mapping.address, mapping.opened_on)
+        except self._cuda.IpcError as exc:
+            raise DeviceMemoryError(f"CUDA could not unmap it ({exc.name})", exc.name) from None

@@ -1,0 +1,353 @@
+"""CUDA shared memory (the protocol's extension): clients on the same host register device memory of their own by
+its CUDA IPC handle and pass tensors by region + offset, as for system shared memory (``shm.py``).
+
+A handle is opened once, at registration, through the server's device layer (``core/devicemem.py``; off the event
+loop: it can take milliseconds), in the context of the device the client names. The client's ``byte_size`` is
+checked against the real extent of the allocation the handle maps, so no later access can reach beyond the
+client's own memory whatever it claims; every access is bounded again by the region (``lease``). A handle is a
+capability (its bytes map the client's memory): no status, log line or error message contains one.
+
+Names are one namespace with system shared-memory regions (as in Triton): a name held by either kind is
+ALREADY_EXISTS for both.
+
+A region in use is not unmapped under its users: ``lease`` pins the mapping until the lease is released (after the
+GPU's last read or write of it), and ``unregister`` frees the name at once (new requests get NOT_FOUND; the name
+can be registered again) while the mapping is closed when its last lease is released, as Triton defers it.
+
+With ``shared_dir`` (the replicas of one server) the registrations live in that directory, one record per region,
+in the same files as system shared memory's (``shm.py``: ``r-<name>``, created exclusively), so that a name is taken
+once across replicas and across both kinds: a CUDA record has ``"kind": "cuda"`` and the base64 handle, and
+``shm.py`` reads it as no system region of its own. Every process opens its own mapping (IPC mappings are per
+process): the registering one at registration, the others on first use; a record that is gone, or that now carries
+another ``token`` (unregistered and registered again), drops this process's mapping (once its leases are released).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import json
+import logging
+import os
+import secrets
+import threading
+import weakref
+from dataclasses import dataclass
+
+from ..core.devicemem import HANDLE_BYTES, DeviceMemory, DeviceMemoryError, Mapping
+from ..core.errors import ServingError, Status, exhausted, invalid, not_found, shown
+from .shm import _NAME, SharedMemoryRegistry
+
+log = logging.getLogger(__name__)
+KIND = "cuda"  # a record's "kind" (system regions' records have none)
+
+
+@dataclass
+class CudaRegion:
+    """A registered region. ``device_id``: as the client gave it (the device whose context opened the handle);
+    ``mapping``: this process's, None until it is opened here (in a replica that did not register it)."""
+
+    name: str
+    handle: bytes
+    device_id: int
+    byte_size: int
+    mapping: Mapping | None
+    token: str = ""  # the shared record's: a registration's identity across replicas
+    in_use: int = 0  # leases not yet released
+    unregistered: bool = False  # the name is gone; the mapping closes when in_use reaches 0
+
+
+class Lease:
+    """``nbytes`` of a region at ``address`` on ``device``, kept mapped until ``release()`` (idempotent; also run
+    when the lease is garbage-collected, so a lease dropped by a cancelled request is never lost)."""
+
+    __slots__ = ("__weakref__", "_release", "address", "device", "nbytes", "region")
+
+    def __init__(self, registry: CudaSharedMemoryRegistry, region: CudaRegion, offset: int, nbytes: int) -> None:
+        assert region.mapping is not None
+        self.region = region.name
+        self.address = region.mapping.address + offset
+        self.nbytes = nbytes
+        self.device = region.mapping.device
+        self._release = weakref.finalize(self, registry._release, region)
+
+    def release(self) -> None:
+        self._release()
+
+    @property
+    def released(self) -> bool:
+        return not self._release.alive
+
+
+class CudaSharedMemoryRegistry:
+    """The registered CUDA regions of this process (with ``shared_dir``: of every replica; see the module's text).
+
+    ``devices``: the device layer that opens and closes handles; ``system``: the system shared-memory registry,
+    whose names this one's must not take (and which asks ``holds`` the other way round).
+    """
+
+    def __init__(self, devices: DeviceMemory, max_regions: int = 64, system: SharedMemoryRegistry | None = None,
+                 shared_dir: str | None = None) -> None:
+        self.devices = devices
+        self.max_regions = max_regions
+        self.system = system
+        self._shared = shared_dir
+        self._regions: dict[str, CudaRegion] = {}
+        self._pending: set[str] = set()  # names whose handle is being opened
+        self._draining: list[CudaRegion] = []  # unregistered, still leased
+        self._lock = threading.Lock()
+
+    # --- registration ---------------------------------------------------------------------------
+
+    async def register(self, name: str, raw_handle: bytes, device_id: int, byte_size: int) -> None:
+        """Register the device memory ``raw_handle`` names (a cudaIpcMemHandle_t's 64 raw bytes, exported by
+        another process) as region ``name`` of ``byte_size`` bytes, opened on device ``device_id`` of this server.
+
+        INVALID_ARGUMENT for a bad name, handle length, size or device, for a handle that does not open and for a
+        ``byte_size`` beyond the allocation; ALREADY_EXISTS for a name taken by either kind of region;
+        RESOURCE_EXHAUSTED past ``max_regions``."""
+        if not _NAME.fullmatch(name):
+            raise invalid(f"region name {shown(name)!r} must be 1-128 letters, digits, '_', '-' or '.'")
+        if len(raw_handle) != HANDLE_BYTES:
+            raise invalid(f"region {name!r}: raw_handle is {len(raw_handle)} bytes; a CUDA IPC handle "
+                          f"(cudaIpcGetMemHandle) is {HANDLE_BYTES} raw bytes (not base64)")
+        if byte_size <= 0:
+            raise invalid(f"region {name!r}: byte_size {byte_size} must be > 0")
+        count = self.devices.device_count()
+        if not 0 <= device_id < count:
+            raise invalid(f"region {name!r}: device_id {device_id} is not a device of this server "
+                          f"(it sees {count} CUDA device{'s' if count != 1 else ''}: 0..{count - 1})")
+        # The other kind first, outside this registry's lock (the system registry asks ``holds`` under its own);
+        # both run on the event loop's thread, so nothing registers in between.
+        if self._system_holds(name):
+            raise ServingError(Status.ALREADY_EXISTS, f"region {name!r} is already registered (as system shared "
+                                                      f"memory)")
+        with self._lock:
+            self._sync_all()
+            if name in self._regions or name in self._pending:
+                raise ServingError(Status.ALREADY_EXISTS, f"region {name!r} is already registered")
+            taken = len(self._regions) + len(self._pending)
+            if taken >= self.max_regions:
+                raise exhausted(f"{taken} CUDA shared-memory regions are registered, the limit "
+                                f"(--max-cuda-shm-regions)")
+            self._pending.add(name)
+        try:
+            mapping = await self._open(name, bytes(raw_handle), device_id)
+            try:
+                if byte_size > mapping.size:
+                    raise invalid(f"region {name!r}: byte_size {byte_size} exceeds the {mapping.size} bytes of the "
+                                  f"device allocation that raw_handle maps")
+                region = CudaRegion(name, bytes(raw_handle), device_id, byte_size, mapping, secrets.token_hex(8))
+                with self._lock:
+                    if self._shared is not None:
+                        self._write_record(region)
+                    self._regions[name] = region
+            except BaseException:
+                await asyncio.to_thread(self._close, name, mapping)
+                raise
+        finally:
+            with self._lock:
+                self._pending.discard(name)
+
+    def _system_holds(self, name: str) -> bool:
+        if self.system is None:
+            return False
+        try:
+            self.system.status(name)
+        except ServingError:
+            return False
+        return True
+
+    async def _open(self, name: str, handle: bytes, device_id: int) -> Mapping:
+        """The handle opened off the event loop; a registration cancelled meanwhile closes what the open returns."""
+        loop = asyncio.get_running_loop()
+        opening = loop.run_in_executor(None, self.devices.open, handle, device_id)
+        try:
+            return await asyncio.shield(opening)
+        except DeviceMemoryError as exc:
+            cuda = f" ({exc.cuda_error})" if exc.cuda_error else ""
+            raise invalid(f"region {name!r}: raw_handle does not open on device {device_id}: {exc.reason}"
+                          f"{cuda}") from None
+        except asyncio.CancelledError:
+            def close_late(done: asyncio.Future) -> None:
+                if not done.cancelled() and done.exception() is None:
+                    loop.run_in_executor(None, self._close, name, done.result())
+
+            opening.add_done_callback(close_late)
+            raise
+
+    def holds(self, name: str) -> bool:
+        """Whether ``name`` is a CUDA region (registered or being registered): the system registry's check."""
+        with self._lock:
+            return name in self._pending or self._sync(name) is not None
+
+    # --- use --------------------------------------------------------------------------------------
+
+    def lease(self, name: str, offset: int, byte_size: int, what: str) -> Lease:
+        """``byte_size`` bytes at ``offset`` of region ``name``, mapped until the lease is released. NOT_FOUND for
+        an unknown name; INVALID_ARGUMENT unless the bytes lie inside the region (exact integers: no overflow);
+        in a replica that did not register the region, its handle is opened here first (a blocking CUDA call:
+        call this off the event loop)."""
+        with self._lock:
+            region = self._sync(name)
+            if region is None:
+                raise not_found(f"{what}: CUDA shared-memory region {shown(name)!r} is not registered")
+            if offset < 0 or byte_size < 0 or offset + byte_size > region.byte_size:
+                raise invalid(f"{what}: offset {offset} + byte_size {byte_size} is outside CUDA shared-memory "
+                              f"region {name!r} ({region.byte_size} bytes)")
+            if region.mapping is None:
+                region.mapping = self._open_here(region, what)
+            region.in_use += 1
+            return Lease(self, region, offset, byte_size)
+
+    def _open_here(self, region: CudaRegion, what: str) -> Mapping:
+        """Open a region registered by another replica (under the lock: one open per region and process)."""
+        try:
+            mapping = self.devices.open(region.handle, region.device_id)
+        except DeviceMemoryError as exc:
+            raise invalid(f"{what}: CUDA shared-memory region {region.name!r} does not open in this server process "
+                          f"any more: {exc.reason}; register it again") from None
+        if region.byte_size > mapping.size:  # checked at registration, in another process: the memory changed
+            self._close(region.name, mapping)
+            raise invalid(f"{what}: CUDA shared-memory region {region.name!r} now maps {mapping.size} bytes, fewer "
+                          f"than its byte_size {region.byte_size}; register it again")
+        return mapping
+
+    def _release(self, region: CudaRegion) -> None:
+        with self._lock:
+            region.in_use -= 1
+            drained = region.unregistered and region.in_use == 0
+            if drained:
+                self._draining.remove(region)
+        if drained and region.mapping is not None:
+            self._close(region.name, region.mapping)
+
+    # --- unregistration and status ----------------------------------------------------------------
+
+    async def unregister(self, name: str) -> None:
+        """Unregister region ``name``, or every CUDA region when ``name`` is empty. The name is free at once; each
+        mapping is closed now (off the event loop), or when its last lease is released."""
+        with self._lock:
+            if name and self._sync(name) is None:
+                raise not_found(f"CUDA shared-memory region {shown(name)!r} is not registered")
+            if not name:
+                self._sync_all()
+            closing = []
+            for key in [name] if name else list(self._regions):
+                region = self._forget(key)
+                if self._shared is not None:
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(self._record_path(key))
+                if region is not None:
+                    closing.append(region)
+        if closing:
+            await asyncio.to_thread(self._close_all, closing)
+
+    def _forget(self, name: str) -> CudaRegion | None:
+        """Drop ``name`` from this process's regions (under the lock): the region to close now, or None when there
+        is nothing to close now (never opened here, or leased: its last lease closes it)."""
+        region = self._regions.pop(name)
+        region.unregistered = True
+        if region.mapping is None:
+            return None
+        if region.in_use > 0:
+            self._draining.append(region)
+            return None
+        return region
+
+    def status(self, name: str) -> list[CudaRegion]:
+        """Region ``name``, or every CUDA region when name is empty (the caller shows name, device_id and
+        byte_size: never the handle)."""
+        with self._lock:
+            if name:
+                region = self._sync(name)
+                if region is None:
+                    raise not_found(f"CUDA shared-memory region {shown(name)!r} is not registered")
+                return [region]
+            self._sync_all()
+            return list(self._regions.values())
+
+    @property
+    def draining(self) -> int:
+        """Unregistered regions whose mapping waits for its last lease."""
+        with self._lock:
+            return len(self._draining)
+
+    def close(self) -> None:
+        """Close every mapping of this process, leased or not (the server is stopping: its executions are over);
+        the shared records stay, other replicas may still serve them."""
+        with self._lock:
+            regions = [*self._regions.values(), *self._draining]
+            self._regions.clear()
+            self._draining.clear()
+        self._close_all([r for r in regions if r.mapping is not None])
+
+    def _close_all(self, regions: list[CudaRegion]) -> None:
+        for region in regions:
+            assert region.mapping is not None
+            self._close(region.name, region.mapping)
+
+    def _close(self, name: str, mapping: Mapping) -> None:
+        """Close a mapping; a failure is logged (the client has nothing to do about it), never raised."""
+        try:
+            self.devices.close(mapping)
+        except DeviceMemoryError as exc:
+            log.warning("CUDA shared-memory region %r: closing its mapping failed: %s (%s)", name, exc.reason,
+                        exc.cuda_error or "no CUDA error")
+        except Exception:  # also reached from a lease's finalizer, where nothing may escape
+            log.exception("CUDA shared-memory region %r: closing its mapping failed", name)
+
+    # --- the shared registry (replicas) ---------------------------------------------------------
+
+    def _record_path(self, name: str) -> str:
+        assert self._shared is not None
+        return os.path.join(self._shared, "r-" + name)  # shm.py's files: one namespace for both kinds
+
+    def _write_record(self, region: CudaRegion) -> None:
+        try:
+            fd = os.open(self._record_path(region.name), os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        except FileExistsError:
+            raise ServingError(Status.ALREADY_EXISTS, f"region {region.name!r} is already registered") from None
+        with os.fdopen(fd, "w") as f:
+            json.dump({"kind": KIND, "handle": base64.b64encode(region.handle).decode(),
+                       "device_id": region.device_id, "byte_size": region.byte_size, "token": region.token}, f)
+
+    def _read_record(self, name: str) -> tuple[bytes, int, int, str] | None:
+        """A CUDA record's (handle, device_id, byte_size, token); None when there is none (or a system region's)."""
+        try:
+            with open(self._record_path(name)) as f:
+                data = json.load(f)
+            if not isinstance(data, dict) or data.get("kind") != KIND:
+                return None
+            handle = base64.b64decode(data["handle"], validate=True)
+            fields = int(data["device_id"]), int(data["byte_size"]), str(data["token"])
+        except (OSError, ValueError, KeyError, TypeError):
+            return None  # absent, being written or removed right now: treat as absent
+        if len(handle) != HANDLE_BYTES:
+            return None
+        return handle, *fields
+
+    def _sync(self, name: str) -> CudaRegion | None:
+        """This process's view of region ``name`` brought in line with the shared record (no-op unshared)."""
+        region = self._regions.get(name)
+        if self._shared is None:
+            return region
+        record = self._read_record(name)
+        if region is not None and (record is None or record[3] != region.token):
+            dropped = self._forget(name)  # unregistered (and maybe registered again) through another replica
+            if dropped is not None and dropped.mapping is not None:
+                self._close(name, dropped.mapping)
+            region = None
+        if region is None and record is not None:
+            handle, device_id, byte_size, token = record
+            region = CudaRegion(name, handle, device_id, byte_size, None, token)
+            self._regions[name] = region
+        return region
+
+    def _sync_all(self) -> None:
+        if self._shared is None:
+            return
+        names = {f[2:] for f in os.listdir(self._shared) if f.startswith("r-")}
+        for name in names | set(self._regions):
+            self._sync(name)

@@ -1,0 +1,527 @@
+"""CUDA shared memory: the protocol's messages, the region registry's rules with a fake device layer, and the three
+RPCs over real gRPC (our stubs and tritonclient's) against an in-process server given that fake layer."""
+
+from __future__ import annotations
+
+import ast
+import asyncio
+import base64
+import ctypes
+import dataclasses
+import functools
+import gc
+import importlib.util
+import json
+import logging
+import os
+import random
+import subprocess
+import sys
+import threading
+import urllib.error
+import urllib.request
+import uuid
+from pathlib import Path
+
+import grpc
+import pytest
+from google.protobuf import descriptor_pool
+from google.protobuf.message_factory import GetMessageClass
+
+from voxserve.client import Client, InferenceError, SharedMemoryBuffer
+from voxserve.proto import pb, pb_grpc
+from voxserve.server.app import VoxServer
+from voxserve.server.core.errors import ServingError, Status
+from voxserve.server.protocol.cudashm import CudaSharedMemoryRegistry
+from voxserve.server.protocol.shm import SharedMemoryRegistry
+from voxserve.server.settings import Settings
+from voxserve.testing.fake_devicemem import FakeDeviceMemory
+
+from ..conftest import ServerThread
+
+CUDA_MESSAGES = ("CudaSharedMemoryStatusRequest", "CudaSharedMemoryStatusResponse", "CudaSharedMemoryRegisterRequest",
+                 "CudaSharedMemoryRegisterResponse", "CudaSharedMemoryUnregisterRequest",
+                 "CudaSharedMemoryUnregisterResponse")
+CUDA_RPCS = ("CudaSharedMemoryStatus", "CudaSharedMemoryRegister", "CudaSharedMemoryUnregister")
+
+
+# --- the protocol ---------------------------------------------------------------------------------------------------
+# tritonclient's descriptors are read from its modules' source into a pool of their own: importing tritonclient.grpc
+# would put its files in protobuf's default pool, where other tests' clients (kserve's) put files of the same names.
+
+@functools.lru_cache(maxsize=1)
+def _tritonclient_pool() -> descriptor_pool.DescriptorPool:
+    spec = importlib.util.find_spec("tritonclient")
+    if spec is None or spec.origin is None:
+        pytest.skip("tritonclient (a test dependency) is not installed")
+    pool = descriptor_pool.DescriptorPool()
+    for module in ("model_config_pb2.py", "service_pb2.py"):
+        tree = ast.parse((Path(spec.origin).parent / "grpc" / module).read_text())
+        pool.AddSerializedFile(next(node.args[0].value for node in ast.walk(tree) if isinstance(node, ast.Call)
+                                    and getattr(node.func, "attr", "") == "AddSerializedFile"))
+    return pool
+
+
+def _triton(name: str):
+    return GetMessageClass(_tritonclient_pool().FindMessageTypeByName(f"inference.{name}"))
+
+
+def _fields(descriptor) -> list:
+    """A message's fields, nested messages included, as (name, number, type, repeated) rows."""
+    rows = [(f.name, f.number, f.type, f.is_repeated) for f in descriptor.fields]
+    for nested in descriptor.nested_types:
+        rows.append((nested.name, _fields(nested)))
+    return rows
+
+
+@pytest.mark.parametrize("name", CUDA_MESSAGES)
+def test_messages_match_tritonclients_descriptor(name):
+    assert _fields(pb.DESCRIPTOR.message_types_by_name[name]) == _fields(_triton(name).DESCRIPTOR)
+
+
+def test_messages_serialise_byte_identically_to_tritonclients():
+    rnd = random.Random()
+    for _ in range(50):
+        name = "".join(rnd.choices("abcxyz_-.0", k=rnd.randint(0, 20)))
+        handle = rnd.randbytes(rnd.choice((0, 63, 64, 65)))
+        device_id, byte_size = rnd.randint(-(1 << 63), (1 << 63) - 1), rnd.randint(0, (1 << 64) - 1)
+        ours = pb.CudaSharedMemoryRegisterRequest(name=name, raw_handle=handle, device_id=device_id,
+                                                  byte_size=byte_size)
+        theirs = _triton("CudaSharedMemoryRegisterRequest")(name=name, raw_handle=handle, device_id=device_id,
+                                                            byte_size=byte_size)
+        assert ours.SerializeToString(deterministic=True) == theirs.SerializeToString(deterministic=True)
+        status_ours, status_theirs = pb.CudaSharedMemoryStatusResponse(), _triton("CudaSharedMemoryStatusResponse")()
+        for i in range(rnd.randint(0, 3)):
+            region = (f"{name}{i}", rnd.randint(0, (1 << 64) - 1), byte_size)
+            status_ours.regions[region[0]].CopyFrom(status_ours.RegionStatus(
+                name=region[0], device_id=region[1], byte_size=region[2]))
+            status_theirs.regions[region[0]].CopyFrom(status_theirs.RegionStatus(
+                name=region[0], device_id=region[1], byte_size=region[2]))
+        assert status_ours.SerializeToString(deterministic=True) == status_theirs.SerializeToString(deterministic=True)
+        for request in ("CudaSharedMemoryStatusRequest", "CudaSharedMemoryUnregisterRequest"):
+            ours_bytes = getattr(pb, request)(name=name).SerializeToString()
+            assert ours_bytes == _triton(request)(name=name).SerializeToString()
+
+
+def test_rpc_paths_are_tritonclients():
+    ours = pb.DESCRIPTOR.services_by_name["GRPCInferenceService"]
+    theirs = _tritonclient_pool().FindServiceByName("inference.GRPCInferenceService")
+    for rpc in CUDA_RPCS:
+        mine, triton_method = ours.methods_by_name[rpc], theirs.methods_by_name[rpc]
+        assert (ours.full_name, mine.input_type.full_name, mine.output_type.full_name) == (
+            theirs.full_name, triton_method.input_type.full_name, triton_method.output_type.full_name)
+
+
+# --- the registry, with the fake device layer ------------------------------------------------------------------------
+
+def _registry(devices: int = 2, max_regions: int = 8, system=None, shared_dir=None):
+    fake = FakeDeviceMemory(devices)
+    return fake, CudaSharedMemoryRegistry(fake, max_regions, system, shared_dir)
+
+
+def _status(fn, *args) -> tuple[Status, str]:
+    with pytest.raises(ServingError) as err:
+        result = fn(*args)
+        if asyncio.iscoroutine(result):
+            asyncio.run(result)
+    return err.value.code, err.value.message
+
+
+def test_register_lease_and_unregister():
+    fake, reg = _registry()
+    data = os.urandom(4096)
+    handle = fake.export(data, device=1)
+    asyncio.run(reg.register("r", handle, 1, 4000))
+    assert fake.opens == 1 and fake.open_threads != [threading.current_thread().name]  # opened off the loop
+    [region] = reg.status("r")
+    assert (region.name, region.device_id, region.byte_size) == ("r", 1, 4000)
+    lease = reg.lease("r", 100, 3900, "input")  # ends exactly at the region's end
+    assert ctypes.string_at(lease.address, lease.nbytes) == data[100:4000] and lease.device == 1
+    lease.release()
+    lease.release()  # idempotent
+    asyncio.run(reg.unregister("r"))
+    assert (fake.opens, fake.closes, fake.mapped) == (1, 1, 0)
+    assert reg.status("") == []
+    assert _status(reg.lease, "r", 0, 1, "input")[0] == Status.NOT_FOUND
+
+
+@pytest.mark.parametrize("size", [0, 1, 63, 65, 64 * 1024])
+def test_a_raw_handle_must_be_64_bytes(size):
+    fake, reg = _registry()
+    code, message = _status(reg.register, "r", b"\x01" * size, 0, 16)
+    assert code == Status.INVALID_ARGUMENT and f"raw_handle is {size} bytes" in message and "64" in message
+    assert fake.opens == 0
+
+
+def test_handles_that_do_not_open_get_a_sentence_and_leave_nothing_open():
+    fake, reg = _registry()
+    freed = fake.export(64)
+    fake.free(freed)
+    cases = {"unknown": os.urandom(64), "zeros": bytes(64), "freed": freed,
+             "own": fake.export(64, own_process=True)}
+    for what, handle in cases.items():
+        code, message = _status(reg.register, what, handle, 0, 16)
+        assert code == Status.INVALID_ARGUMENT, what
+        assert message.startswith(f"region {what!r}: raw_handle does not open on device 0: "), message
+        assert "(cudaError" in message and "Traceback" not in message
+        assert handle.hex() not in message
+    assert reg.status("") == [] and fake.mapped == 0
+
+
+def test_byte_size_is_checked_against_the_allocations_real_extent():
+    fake, reg = _registry()
+    handle = fake.export(1000)
+    code, message = _status(reg.register, "r", handle, 0, 1001)
+    assert code == Status.INVALID_ARGUMENT and "byte_size 1001" in message and "1000 bytes" in message
+    assert (fake.opens, fake.closes) == (1, 1)  # opened to be measured, closed again
+    for bad in (0, -1):
+        assert "must be > 0" in _status(reg.register, "r", handle, 0, bad)[1]
+    asyncio.run(reg.register("r", handle, 0, 1000))
+
+
+@pytest.mark.parametrize("device_id", [-1, 2, 3, (1 << 63) - 1, -(1 << 63)])
+def test_device_ids_out_of_range(device_id):
+    fake, reg = _registry(devices=2)
+    code, message = _status(reg.register, "r", fake.export(64), device_id, 16)
+    assert code == Status.INVALID_ARGUMENT and f"device_id {device_id}" in message and "2 CUDA devices" in message
+    assert fake.opens == 0
+
+
+@pytest.mark.parametrize("name", ["", "a/b", "../x", "x\n", "é", "n" * 129, "sp ace"])
+def test_region_names_follow_system_shared_memorys_rules(name):
+    fake, reg = _registry()
+    code, message = _status(reg.register, name, fake.export(64), 0, 16)
+    assert code == Status.INVALID_ARGUMENT and "must be 1-128 letters" in message
+    assert len(message) < 200
+
+
+def test_names_are_one_namespace_with_system_shared_memory():
+    system = SharedMemoryRegistry()
+    fake, reg = _registry(system=system)
+    system.cuda = reg
+    with SharedMemoryBuffer(f"vox_cuda_{uuid.uuid4().hex[:8]}", 64) as segment:
+        system.register("sys", segment.key, 0, 64)
+        code, message = _status(reg.register, "sys", fake.export(64), 0, 16)
+        assert code == Status.ALREADY_EXISTS and "system shared memory" in message
+        asyncio.run(reg.register("gpu", fake.export(64), 0, 16))
+        code, message = _status(system.register, "gpu", segment.key, 0, 64)
+        assert code == Status.ALREADY_EXISTS and "CUDA shared memory" in message
+        assert _status(reg.register, "gpu", fake.export(64), 0, 16)[0] == Status.ALREADY_EXISTS
+        system.unregister("")
+    assert (fake.opens, fake.closes) == (1, 0)  # the refused registrations never opened their handles
+
+
+def test_the_region_limit():
+    fake, reg = _registry(max_regions=2)
+    for name in ("a", "b"):
+        asyncio.run(reg.register(name, fake.export(64), 0, 64))
+    code, message = _status(reg.register, "c", fake.export(64), 0, 64)
+    assert code == Status.RESOURCE_EXHAUSTED and "--max-cuda-shm-regions" in message
+    asyncio.run(reg.unregister("a"))
+    asyncio.run(reg.register("c", fake.export(64), 0, 64))
+
+
+@pytest.mark.parametrize(("offset", "size"), [(0, 101), (1, 100), (100, 1), (-1, 1), (0, -1), ((1 << 63) - 1, 1),
+                                              (0, (1 << 64) - 1), ((1 << 64) - 1, (1 << 64) - 1)])
+def test_lease_bounds_are_exact(offset, size):
+    fake, reg = _registry()
+    asyncio.run(reg.register("r", fake.export(4096), 0, 100))
+    code, message = _status(reg.lease, "r", offset, size, "input 'input'")
+    assert code == Status.INVALID_ARGUMENT and "outside CUDA shared-memory region 'r' (100 bytes)" in message
+    for ok in ((0, 100), (99, 1), (100, 0)):
+        reg.lease("r", *ok, "input").release()
+
+
+def test_unregister_while_leased_defers_the_close_to_the_last_release():
+    fake, reg = _registry()
+    asyncio.run(reg.register("r", fake.export(256), 0, 256))
+    leases = [reg.lease("r", 0, 256, "input") for _ in range(3)]
+    asyncio.run(reg.unregister("r"))
+    assert _status(reg.lease, "r", 0, 1, "input")[0] == Status.NOT_FOUND  # the name is gone at once
+    assert reg.status("") == [] and reg.draining == 1 and fake.closes == 0
+    asyncio.run(reg.register("r", fake.export(256), 0, 256))  # and can be registered again
+    leases[0].release()
+    leases[1].release()
+    assert fake.closes == 0
+    del leases[2]  # dropped without release (a cancelled request): the finalizer releases it
+    gc.collect()
+    assert fake.closes == 1 and reg.draining == 0
+    asyncio.run(reg.unregister(""))
+    assert (fake.opens, fake.closes, fake.mapped) == (2, 2, 0)
+
+
+def test_unregister_all_and_unknown_names():
+    fake, reg = _registry()
+    for name in ("a", "b", "c"):
+        asyncio.run(reg.register(name, fake.export(64), 0, 64))
+    held = reg.lease("b", 0, 64, "input")
+    assert _status(reg.unregister, "zz")[0] == Status.NOT_FOUND
+    assert _status(reg.status, "zz")[0] == Status.NOT_FOUND
+    asyncio.run(reg.unregister(""))
+    assert reg.status("") == [] and fake.closes == 2 and reg.draining == 1
+    held.release()
+    assert fake.closes == 3 and fake.mapped == 0
+
+
+def test_a_close_that_fails_is_logged_not_raised(caplog):
+    fake, reg = _registry()
+    asyncio.run(reg.register("r", fake.export(64), 0, 64))
+    asyncio.run(reg.register("s", fake.export(64), 0, 64))
+    lease = reg.lease("s", 0, 64, "input")
+    fake.fail_close = True
+    with caplog.at_level(logging.WARNING):
+        asyncio.run(reg.unregister("r"))
+        asyncio.run(reg.unregister("s"))
+        lease.release()
+    assert sum("closing its mapping failed" in r.getMessage() for r in caplog.records) == 2
+    assert reg.status("") == []
+
+
+def test_close_unmaps_everything_of_this_process():
+    fake, reg = _registry()
+    asyncio.run(reg.register("r", fake.export(64), 0, 64))
+    asyncio.run(reg.register("s", fake.export(64), 0, 64))
+    reg.lease("s", 0, 64, "input")  # not released: the server is stopping
+    asyncio.run(reg.unregister("s"))
+    reg.close()
+    assert fake.mapped == 0
+
+
+def test_a_registration_cancelled_while_its_handle_opens_leaves_nothing_open():
+    fake, reg = _registry()
+    started, proceed = threading.Event(), threading.Event()
+    real_open = fake.open
+
+    def slow_open(handle, device):
+        started.set()
+        proceed.wait(10)
+        return real_open(handle, device)
+
+    fake.open = slow_open  # type: ignore[method-assign]
+
+    async def scenario():
+        task = asyncio.create_task(reg.register("r", fake.export(64), 0, 64))
+        await asyncio.to_thread(started.wait, 10)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        proceed.set()
+        while fake.closes == 0:  # the late close runs on the executor
+            await asyncio.sleep(0.01)
+
+    asyncio.run(scenario())
+    assert (fake.opens, fake.closes) == (1, 1) and reg.status("") == []
+    asyncio.run(reg.register("r", fake.export(64), 0, 64))  # the name was given back
+
+
+def test_replicas_share_names_and_open_their_own_mappings(tmp_path):
+    fake_a, a = _registry(shared_dir=str(tmp_path))
+    fake_b, b = _registry(shared_dir=str(tmp_path))
+    b.devices = fake_a  # one host: the same exporter's handles (two "processes" of one fake)
+    data = os.urandom(128)
+    handle = fake_a.export(data)
+    asyncio.run(a.register("r", handle, 0, 128))
+    assert [r.name for r in b.status("")] == ["r"] and fake_a.opens == 1  # seen through the record, not opened
+    assert _status(b.register, "r", fake_a.export(64), 0, 64)[0] == Status.ALREADY_EXISTS
+    lease = b.lease("r", 8, 16, "input")  # opened lazily in b
+    assert ctypes.string_at(lease.address, 16) == data[8:24] and fake_a.opens == 2
+    record = tmp_path / "r-r"  # it holds the handle: readable by the server's user only
+    assert '"kind": "cuda"' in record.read_text() and record.stat().st_mode & 0o777 == 0o600
+    asyncio.run(a.unregister("r"))
+    assert _status(b.lease, "r", 0, 1, "input")[0] == Status.NOT_FOUND  # gone for b too ...
+    assert fake_a.closes == 1
+    lease.release()  # ... and b's mapping closes after its last lease
+    assert fake_a.closes == 2 and fake_a.mapped == 0
+    # one namespace with system regions across replicas too: the record file is the name
+    system = SharedMemoryRegistry(shared_dir=str(tmp_path))
+    asyncio.run(b.register("x", fake_a.export(64), 0, 64))
+    with SharedMemoryBuffer(f"vox_cuda_{uuid.uuid4().hex[:8]}", 64) as segment:
+        assert _status(system.register, "x", segment.key, 0, 64)[0] == Status.ALREADY_EXISTS
+        assert system.status("") == []
+    asyncio.run(b.unregister(""))
+    assert fake_b.opens == 0
+
+
+# --- the RPCs over real gRPC, against an in-process server given the fake layer ---------------------------------------
+
+class _FakeLayerServer(ServerThread):
+    def __init__(self, settings, devices) -> None:
+        self.devices = devices
+        super().__init__(settings)
+
+    async def _make(self) -> VoxServer:
+        return VoxServer(self.settings, device_memory=self.devices)
+
+
+@pytest.fixture(scope="module")
+def gpu_less_cuda_server():
+    """A CPU server whose CUDA shared memory goes through the fake device layer (two devices)."""
+    fake = FakeDeviceMemory(2)
+    srv = _FakeLayerServer(dataclasses.replace(Settings(host="127.0.0.1", grpc_port=0, http_port=0, metrics_port=-1,
+                                                        device="cpu"), max_cuda_shm_regions=4), fake)
+    try:
+        assert srv.wait_ready(), srv.server.load_error
+        yield srv, fake
+    finally:
+        srv.stop()
+
+
+@pytest.fixture
+def stub(gpu_less_cuda_server):
+    srv, _ = gpu_less_cuda_server
+    with grpc.insecure_channel(srv.url) as channel:
+        stub = pb_grpc.GRPCInferenceServiceStub(channel)
+        yield stub
+        stub.CudaSharedMemoryUnregister(pb.CudaSharedMemoryUnregisterRequest())
+        stub.SystemSharedMemoryUnregister(pb.SystemSharedMemoryUnregisterRequest())
+
+
+def _rpc_error(call, request) -> tuple[grpc.StatusCode, str]:
+    with pytest.raises(grpc.RpcError) as err:
+        call(request)
+    return err.value.code(), err.value.details()
+
+
+def test_the_rpcs_over_grpc(gpu_less_cuda_server, stub):
+    _, fake = gpu_less_cuda_server
+    assert "cuda_shared_memory" in stub.ServerMetadata(pb.ServerMetadataRequest()).extensions
+    handle = fake.export(os.urandom(1 << 16), device=1)
+    stub.CudaSharedMemoryRegister(pb.CudaSharedMemoryRegisterRequest(name="in", raw_handle=handle, device_id=1,
+                                                                     byte_size=1 << 16))
+    response = stub.CudaSharedMemoryStatus(pb.CudaSharedMemoryStatusRequest())
+    assert {k: (v.name, v.device_id, v.byte_size) for k, v in response.regions.items()} == {
+        "in": ("in", 1, 1 << 16)}
+    assert handle not in response.SerializeToString()  # never the handle
+    assert stub.CudaSharedMemoryStatus(pb.CudaSharedMemoryStatusRequest(name="in")).regions["in"].device_id == 1
+    code, message = _rpc_error(stub.CudaSharedMemoryRegister, pb.CudaSharedMemoryRegisterRequest(
+        name="in", raw_handle=fake.export(16), device_id=0, byte_size=16))
+    assert code == grpc.StatusCode.ALREADY_EXISTS
+    code, message = _rpc_error(stub.CudaSharedMemoryRegister, pb.CudaSharedMemoryRegisterRequest(
+        name="short", raw_handle=handle[:63], device_id=0, byte_size=16))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "raw_handle is 63 bytes" in message
+    code, message = _rpc_error(stub.CudaSharedMemoryRegister, pb.CudaSharedMemoryRegisterRequest(
+        name="big", raw_handle=fake.export(100), device_id=0, byte_size=101))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "byte_size 101 exceeds the 100 bytes" in message
+    code, message = _rpc_error(stub.CudaSharedMemoryRegister, pb.CudaSharedMemoryRegisterRequest(
+        name="dev", raw_handle=fake.export(100), device_id=2, byte_size=100))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "device_id 2" in message
+    code, _ = _rpc_error(stub.CudaSharedMemoryStatus, pb.CudaSharedMemoryStatusRequest(name="nope"))
+    assert code == grpc.StatusCode.NOT_FOUND
+    stub.CudaSharedMemoryUnregister(pb.CudaSharedMemoryUnregisterRequest(name="in"))
+    assert not stub.CudaSharedMemoryStatus(pb.CudaSharedMemoryStatusRequest()).regions
+    code, _ = _rpc_error(stub.CudaSharedMemoryUnregister, pb.CudaSharedMemoryUnregisterRequest(name="in"))
+    assert code == grpc.StatusCode.NOT_FOUND
+    assert fake.mapped == 0
+
+
+def test_an_inference_naming_a_cuda_region_is_refused_with_a_sentence(gpu_less_cuda_server, stub):
+    srv, fake = gpu_less_cuda_server
+    shape = (1, 3, 4, 4, 4)
+    nbytes = 4 * 3 * 4 * 4 * 4
+    stub.CudaSharedMemoryRegister(pb.CudaSharedMemoryRegisterRequest(name="gpu_in", raw_handle=fake.export(nbytes),
+                                                                     device_id=0, byte_size=nbytes))
+    with Client(srv.url) as client:
+        with pytest.raises(InferenceError) as err:
+            client.infer_shared_memory(shape, "gpu_in")
+        assert err.value.code == grpc.StatusCode.UNIMPLEMENTED
+        assert "input 'input' names CUDA shared-memory region 'gpu_in'" in err.value.message
+        assert "does not yet read inputs from it" in err.value.message
+        with SharedMemoryBuffer(f"vox_cuda_{uuid.uuid4().hex[:8]}", nbytes) as segment:
+            client.register_system_shared_memory("sys_in", segment.key, nbytes)
+            with pytest.raises(InferenceError) as err:
+                client.infer_shared_memory(shape, "sys_in", output_region="gpu_in")
+            assert err.value.code == grpc.StatusCode.UNIMPLEMENTED
+            assert "output 'output' names CUDA shared-memory region 'gpu_in'" in err.value.message
+            assert client.infer_shared_memory(shape, "sys_in").shape == (1, 16)  # system regions still work
+            client.unregister_system_shared_memory()
+
+
+# tritonclient.grpc in a process of its own (as tests/e2e/test_tritonclient.py runs it): see _tritonclient_pool.
+_TRITONCLIENT_GRPC = """
+import base64, json, sys
+import tritonclient.grpc as grpcclient
+from tritonclient.utils import InferenceServerException
+url, handle, garbage = sys.argv[1], bytes.fromhex(sys.argv[2]), bytes.fromhex(sys.argv[3])
+client = grpcclient.InferenceServerClient(url)
+report = {}
+# tritonclient takes cuda_shared_memory.get_raw_handle()'s base64 and sends the raw bytes
+client.register_cuda_shared_memory("t", base64.b64encode(handle), 1, 4096)
+report["status"] = client.get_cuda_shared_memory_status(as_json=True)
+report["one"] = [r.name for r in client.get_cuda_shared_memory_status("t").regions.values()]
+try:
+    client.register_cuda_shared_memory("u", base64.b64encode(garbage), 0, 16)
+except InferenceServerException as exc:
+    report["garbage"] = [exc.status(), exc.message()]
+report["extensions"] = client.get_server_metadata(as_json=True)["extensions"]
+client.unregister_cuda_shared_memory("t")
+report["after"] = client.get_cuda_shared_memory_status(as_json=True)
+client.unregister_cuda_shared_memory()
+client.close()
+print(json.dumps(report))
+"""
+
+
+def test_tritonclients_cuda_shared_memory_calls(gpu_less_cuda_server):
+    if importlib.util.find_spec("tritonclient") is None:
+        pytest.skip("tritonclient (a test dependency) is not installed")
+    srv, fake = gpu_less_cuda_server
+    handle = fake.export(4096, device=1)
+    proc = subprocess.run([sys.executable, "-c", _TRITONCLIENT_GRPC, srv.url, handle.hex(), os.urandom(64).hex()],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(proc.stdout)
+    assert report["status"]["regions"]["t"] == {"name": "t", "device_id": "1", "byte_size": "4096"}
+    assert report["one"] == ["t"]
+    assert report["garbage"][0] == "StatusCode.INVALID_ARGUMENT" and "does not open" in report["garbage"][1]
+    assert "cuda_shared_memory" in report["extensions"]
+    assert report["after"] == {}
+    assert fake.mapped == 0
+
+
+def test_a_server_without_a_device_layer_does_not_offer_cuda_shared_memory(server):
+    with grpc.insecure_channel(server.url) as channel:
+        stub = pb_grpc.GRPCInferenceServiceStub(channel)
+        assert "cuda_shared_memory" not in stub.ServerMetadata(pb.ServerMetadataRequest()).extensions
+        for call, request in ((stub.CudaSharedMemoryRegister, pb.CudaSharedMemoryRegisterRequest(
+                name="r", raw_handle=bytes(64), device_id=0, byte_size=16)),
+                (stub.CudaSharedMemoryStatus, pb.CudaSharedMemoryStatusRequest()),
+                (stub.CudaSharedMemoryUnregister, pb.CudaSharedMemoryUnregisterRequest())):
+            code, message = _rpc_error(call, request)
+            assert code == grpc.StatusCode.UNIMPLEMENTED and "does not offer CUDA shared memory" in message
+
+
+def test_the_rest_routes_with_tritonclient_http(gpu_less_cuda_server):
+    tritonclient_http = pytest.importorskip("tritonclient.http")
+    tritonclient_utils = pytest.importorskip("tritonclient.utils")
+    srv, fake = gpu_less_cuda_server
+    handle = fake.export(2048, device=1)
+    client = tritonclient_http.InferenceServerClient(f"127.0.0.1:{srv.server.http_port}")
+    try:
+        client.register_cuda_shared_memory("h", base64.b64encode(handle), 1, 2000)  # get_raw_handle's form
+        assert client.get_cuda_shared_memory_status() == [{"name": "h", "device_id": 1, "byte_size": 2000}]
+        assert client.get_cuda_shared_memory_status("h") == [{"name": "h", "device_id": 1, "byte_size": 2000}]
+        with pytest.raises(tritonclient_utils.InferenceServerException) as err:
+            client.register_cuda_shared_memory("h2", base64.b64encode(handle[:32]), 1, 16)
+        assert "raw_handle is 32 bytes" in err.value.message()
+        with pytest.raises(tritonclient_utils.InferenceServerException) as err:
+            client.register_cuda_shared_memory("h", base64.b64encode(fake.export(16)), 0, 16)
+        assert "already registered" in err.value.message()
+        client.unregister_cuda_shared_memory("h")
+        assert client.get_cuda_shared_memory_status() == []
+        client.unregister_cuda_shared_memory()
+    finally:
+        client.close()
+    assert fake.mapped == 0
+
+
+@pytest.mark.parametrize("body", [{}, {"raw_handle": "abc", "byte_size": 16},
+                                  {"raw_handle": {"b64": "!!"}, "byte_size": 16},
+                                  {"raw_handle": {"b64": "AAAA"}, "byte_size": -1},
+                                  {"raw_handle": {"b64": "AAAA"}, "byte_size": 16, "device_id": True}])
+def test_rest_register_bodies_that_are_refused(gpu_less_cuda_server, body):
+    srv, _ = gpu_less_cuda_server
+    request = urllib.request.Request(f"http://127.0.0.1:{srv.server.http_port}/v2/cudasharedmemory/region/r/register",
+                                     data=json.dumps(body).encode(), method="POST")
+    with pytest.raises(urllib.error.HTTPError) as err:
+        urllib.request.urlopen(request, timeout=30)
+    assert err.value.code == 400 and "register body" in json.loads(err.value.read())["error"]

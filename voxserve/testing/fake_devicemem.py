@@ -1,0 +1,95 @@
+"""A DeviceMemory (server/core/devicemem.py) without a GPU: "device memory" is host memory, a handle is 64 random
+bytes bound to it by ``export``. It refuses what the CUDA driver refuses, with the errors CUDA names (unknown or
+freed memory, a handle of the importing process itself, a device it does not have), and counts every open and
+close, so tests of the CUDA shared-memory registry and RPCs run in CI and can see that nothing leaks.
+
+The addresses are the buffers' real addresses: code that reads a mapping through them (a numpy view) reads what
+the test exported.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import threading
+from dataclasses import dataclass
+
+from voxserve.server.core.devicemem import HANDLE_BYTES, DeviceMemoryError, Mapping
+
+
+@dataclass
+class _Export:
+    buffer: ctypes.Array  # the "allocation"
+    device: int
+    own_process: bool  # exported by the importing process itself: the driver refuses those
+    freed: bool = False
+
+
+class FakeDeviceMemory:
+    """DeviceMemory over host buffers. ``devices``: how many devices it pretends to have."""
+
+    def __init__(self, devices: int = 1) -> None:
+        self.devices = devices
+        self.opens = 0
+        self.closes = 0
+        self.fail_close = False  # make close raise (a test of what the registry does then)
+        self.open_threads: list[str] = []  # the threads open ran on (the registry must keep it off the loop)
+        self._exports: dict[bytes, _Export] = {}
+        self._open: dict[int, int] = {}  # address -> mappings open on it
+        self._lock = threading.Lock()
+
+    # --- the exporter's side ---------------------------------------------------------------------
+
+    def export(self, data: bytes | int, device: int = 0, own_process: bool = False) -> bytes:
+        """A handle of a new allocation holding ``data`` (or that many zero bytes) on ``device``."""
+        buffer = (ctypes.create_string_buffer(data, len(data)) if isinstance(data, bytes)
+                  else ctypes.create_string_buffer(data))
+        handle = os.urandom(HANDLE_BYTES)
+        with self._lock:
+            self._exports[handle] = _Export(buffer, device, own_process)
+        return handle
+
+    def free(self, handle: bytes) -> None:
+        """The exporter frees the allocation: its handle no longer opens (mappings already open stay readable, as
+        the driver keeps the memory while it is mapped)."""
+        with self._lock:
+            self._exports[handle].freed = True
+
+    def contents(self, handle: bytes) -> bytes:
+        """What the allocation holds now."""
+        return self._exports[handle].buffer.raw
+
+    @property
+    def mapped(self) -> int:
+        """Mappings open now."""
+        with self._lock:
+            return sum(self._open.values())
+
+    # --- DeviceMemory ----------------------------------------------------------------------------
+
+    def device_count(self) -> int:
+        return self.devices
+
+    def open(self, handle: bytes, device: int) -> Mapping:
+        self.open_threads.append(threading.current_thread().name)
+        if not 0 <= device < self.devices:
+            raise DeviceMemoryError("the device is not usable by this server", "cudaErrorInvalidDevice")
+        with self._lock:
+            export = self._exports.get(bytes(handle)) if len(handle) == HANDLE_BYTES else None
+            if export is None or export.freed:
+                raise DeviceMemoryError("it is not a live CUDA IPC handle", "cudaErrorInvalidResourceHandle")
+            if export.own_process:
+                raise DeviceMemoryError("it was exported by the server's own process", "cudaErrorDeviceUninitialized")
+            address = ctypes.addressof(export.buffer)
+            self._open[address] = self._open.get(address, 0) + 1
+            self.opens += 1
+        return Mapping(address, len(export.buffer), address, export.device, device)
+
+    def close(self, mapping: Mapping) -> None:
+        with self._lock:
+            if self._open.get(mapping.address, 0) == 0:
+                raise DeviceMemoryError("it is not mapped", "cudaErrorInvalidValue")
+            if self.fail_close:
+                raise DeviceMemoryError("CUDA could not unmap it", "cudaErrorInvalidValue")
+            self._open[mapping.address] -= 1
+            self.closes += 1
