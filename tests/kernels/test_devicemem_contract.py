@@ -17,12 +17,12 @@ import torch
 from voxserve.server.core.devicemem import HANDLE_BYTES, DeviceMemory, DeviceMemoryError, Mapping
 from voxserve.testing.fake_devicemem import FakeDeviceMemory
 
-# A child that allocates CUDA memory with torch, fills it, prints its handle and the data's offset in the
-# allocation (torch's storage sharing: a version byte, the type 'c', then the 64-byte cudaIpcMemHandle_t), and
-# keeps the memory until its stdin closes.
+# A child that allocates CUDA memory with torch, fills it with the hex line it reads, prints its handle and the
+# data's offset in the allocation (torch's storage sharing: a version byte, the type 'c', then the 64-byte
+# cudaIpcMemHandle_t), and keeps the memory until its stdin closes.
 _EXPORTER = """
 import sys, torch
-data = bytes.fromhex(sys.argv[1])
+data = bytes.fromhex(sys.stdin.readline())
 t = torch.frombuffer(bytearray(data), dtype=torch.uint8).cuda()
 torch.cuda.synchronize()
 shared = t.untyped_storage()._share_cuda_()
@@ -68,9 +68,12 @@ def _layer(kind: str) -> Iterator[tuple[DeviceMemory, Exporter]]:
     children: list[subprocess.Popen] = []
 
     def export(data: bytes) -> tuple[bytes, int]:
-        child = subprocess.Popen([sys.executable, "-c", _EXPORTER, data.hex()], stdin=subprocess.PIPE,
-                                 stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTORCH_CUDA_ALLOC_CONF": ""})
+        child = subprocess.Popen([sys.executable, "-c", _EXPORTER], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                 text=True, env={**os.environ, "PYTORCH_CUDA_ALLOC_CONF": ""})
         children.append(child)
+        assert child.stdin is not None and child.stdout is not None
+        child.stdin.write(data.hex() + "\n")  # on stdin: megabytes do not fit in an argument list
+        child.stdin.flush()
         line = child.stdout.readline().split()
         if not line or line[0] == "skip:":
             pytest.skip(" ".join(line) or "the exporter failed")
