@@ -122,15 +122,15 @@ def rest_level(host_port: str, x: np.ndarray, binary: bool, concurrency: int, ta
 
 
 def rest_rows(args, out: dict[str, list[LevelResult]], host_port: str, full: np.ndarray, target: str,
-              model: str = "voxnet", json_rows: bool = True) -> None:
-    """A server's REST rows: full batches (binary; JSON at c=1: a 128-sample batch is ~60 MB of JSON) and batch 1
-    at c=64 (binary and JSON)."""
+              model: str = "voxnet", full_json: bool = True) -> None:
+    """A server's REST rows: full batches (binary; with ``full_json`` also JSON at c=1: a 128-sample batch is
+    ~130 MB of JSON) and batch 1 at c=64 (binary and JSON)."""
     d, one = args.duration, full[:1].copy()
     for c in args.full_concurrency:
         out["rest_full"].append(rest_level(host_port, full, True, c, target, d, model=model))
-    if json_rows:
+    if full_json:
         out["rest_full"].append(rest_level(host_port, full, False, 1, target, d, model=model))
-    for binary in (True, False) if json_rows else (True,):
+    for binary in (True, False):
         out["rest_batch1"].append(rest_level(host_port, one, binary, 64, target, d, args.processes, model=model))
 
 
@@ -188,7 +188,9 @@ def run(args, notes: list[str], checkpoint: Callable[[dict[str, list[LevelResult
     with raw_sink() as sink:
         for c in args.full_concurrency:
             out["full"].append(level(sink, fp32, args.batch, n32, c, "raw sink", d))
-    serve = ["--device", args.device, "--max-message-bytes", str(512 * 1024 * 1024)]
+    # --max-json-bytes: the full batch as JSON (~130 MB) is a row of its own; the default (16 MiB) refuses it.
+    serve = ["--device", args.device, "--max-message-bytes", str(512 * 1024 * 1024), "--max-json-bytes",
+             str(256 * 1024 * 1024)]
     with ServerProcess(serve) as vox:
         for c in args.full_concurrency:
             out["full"].append(level(vox.url, fp32, args.batch, n32, c, "voxserve", d))
@@ -220,7 +222,7 @@ def run(args, notes: list[str], checkpoint: Callable[[dict[str, list[LevelResult
             finally:
                 cleanup()
             out["batch1"].append(level(vox.url, single, 1, n1, 64, fe, d, *load))
-            rest_rows(args, out, f"127.0.0.1:{vox.http_port}", full, fe, json_rows=False)
+            rest_rows(args, out, f"127.0.0.1:{vox.http_port}", full, fe, full_json=False)
         with ServerProcess([*serve, "--frontends", str(args.frontends), "--no-batching"]) as vox:
             out["batch1"].append(level(vox.url, single, 1, n1, 64, f"{fe}, no batching", d, *load))
         checkpoint(out)

@@ -344,7 +344,10 @@ def probe_host_register(cuda: Cuda, rows: list[tuple[str, str]]) -> None:
         if code:
             cuda.last_error()
             return
-        dst = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+        dst = torch.zeros(nbytes, dtype=torch.uint8, device="cuda")
+        code = cuda.memcpy(dst.data_ptr(), address, nbytes, MEMCPY_HOST_TO_DEVICE)
+        rows.append(("DMA from the registered mapping", f"{cuda.name(code)}; bytes: "
+                     f"{'as written' if code == 0 and bool((dst == 0x5A).all()) else 'DIFFERENT'}"))
         rate = {}
         pinned = torch.empty(nbytes, dtype=torch.uint8).pin_memory()
         pageable = torch.empty(nbytes, dtype=torch.uint8)
@@ -357,7 +360,6 @@ def probe_host_register(cuda: Cuda, rows: list[tuple[str, str]]) -> None:
             rate[label] = 10 * nbytes / (time.perf_counter() - t0) / 1e9
         rows.append(("host-to-device rate (cudaMemcpy, 64 MiB)",
                      "; ".join(f"{k} {v:.1f} GB/s" for k, v in rate.items())))
-        rows.append(("DMA from the registered mapping", "as written" if bool((dst == 0x5A).all()) else "DIFFERENT"))
         os.ftruncate(fd, 0)  # the client truncates its segment while it is registered
         dst.zero_()
         code = cuda.memcpy(dst.data_ptr(), address, nbytes, MEMCPY_HOST_TO_DEVICE)
