@@ -48,6 +48,22 @@ def test_shared_memory_example(server, tmp_path):
     assert not any(Path("/dev/shm", unique).exists() for unique in segments.values())
 
 
+def test_rest_tritonclient_example(server, tmp_path):
+    """The tritonclient.http example runs as written against the REST port: the binary input and output give the
+    (2, 16) probabilities."""
+    snippet = _python_block("tritonclient.http")
+    assert '"localhost:8000"' in snippet
+    program = snippet.replace('"localhost:8000"', repr(f"127.0.0.1:{server.server.http_port}"))
+    program += f"\nimport numpy\nnumpy.save({str(tmp_path / 'y.npy')!r}, y)\nnumpy.save({str(tmp_path / 'x.npy')!r}, x)\n"
+    proc = subprocess.run([sys.executable, "-c", program], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    y, x = np.load(tmp_path / "y.npy"), np.load(tmp_path / "x.npy")
+    from voxserve.client import Client
+
+    with Client(server.url) as c:
+        np.testing.assert_array_equal(y, c.infer(x))
+
+
 def test_rest_curl_example(server, tmp_path):
     """The curl lines run as written against the REST port: ready, the metadata, an inference whose 16
     probabilities sum to 1 and match gRPC's answer for the same input."""
