@@ -54,7 +54,8 @@ def test_rest_tritonclient_example(server, tmp_path):
     snippet = _python_block("tritonclient.http")
     assert '"localhost:8000"' in snippet
     program = snippet.replace('"localhost:8000"', repr(f"127.0.0.1:{server.server.http_port}"))
-    program += f"\nimport numpy\nnumpy.save({str(tmp_path / 'y.npy')!r}, y)\nnumpy.save({str(tmp_path / 'x.npy')!r}, x)\n"
+    program += (f"\nimport numpy\nnumpy.save({str(tmp_path / 'y.npy')!r}, y)\n"
+                f"numpy.save({str(tmp_path / 'x.npy')!r}, x)\n")
     proc = subprocess.run([sys.executable, "-c", program], cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     y, x = np.load(tmp_path / "y.npy"), np.load(tmp_path / "x.npy")
