@@ -18,7 +18,7 @@ from collections.abc import Callable
 import aiohttp
 import numpy as np
 
-from voxserve.client.bench import LevelResult
+from voxserve.client.bench import LevelResult, level_gate
 from voxserve.datatypes import to_wire
 
 HEADER_LENGTH = "Inference-Header-Content-Length"
@@ -56,21 +56,11 @@ async def run_rest_level(url: str, payload: bytes, samples: int, tensor_bytes: i
     async with aiohttp.ClientSession(connector=connector, timeout=timeout, auto_decompress=False) as session:
         async with session.get(f"http://{url}/v2/health/ready") as response:  # connected, and the server is up
             await response.read()
-        issued = 0
         if ready is not None:
             ready()
         result.wall_start = time.time()
         started = time.perf_counter()
-        stop_at = started + duration_s if duration_s is not None else None
-
-        def more() -> bool:
-            nonlocal issued
-            if requests is not None:
-                if issued >= requests:
-                    return False
-                issued += 1
-                return True
-            return stop_at is not None and time.perf_counter() < stop_at
+        more = level_gate(requests, duration_s)
 
         async def worker() -> None:
             while more():

@@ -202,21 +202,11 @@ async def run_level(url: str, payload: bytes, samples: int, tensor_bytes: int, c
             calls = [ch.unary_unary(INFER_METHOD) for ch in channels]
         before = await _stats(channel, model, metadata) if statistics else None
         result = LevelResult(target, concurrency, 0, 0, 0.0, samples, tensor_bytes, len(payload))
-        issued = 0
         if ready is not None:  # connected: wait for the other load processes (blocks this loop, idle anyway)
             ready()
         result.wall_start = time.time()
         started = time.perf_counter()
-        stop_at = started + duration_s if duration_s is not None else None
-
-        def more() -> bool:
-            nonlocal issued
-            if requests is not None:
-                if issued >= requests:
-                    return False
-                issued += 1
-                return True
-            return stop_at is not None and time.perf_counter() < stop_at
+        more = level_gate(requests, duration_s)
 
         async def worker(call) -> None:
             while more():
@@ -245,6 +235,24 @@ async def run_level(url: str, payload: bytes, samples: int, tensor_bytes: int, c
         after = await _stats(channel, model, metadata) if statistics else None
         _server_split(result, before, after)
         return result
+
+
+def level_gate(requests: int | None, duration_s: float | None) -> Callable[[], bool]:
+    """Whether a level's worker may send one more request: ``requests`` in all (each call that says yes takes
+    one), or until ``duration_s`` from now."""
+    issued = 0
+    stop_at = time.perf_counter() + duration_s if duration_s is not None else None
+
+    def more() -> bool:
+        nonlocal issued
+        if requests is not None:
+            if issued >= requests:
+                return False
+            issued += 1
+            return True
+        return stop_at is not None and time.perf_counter() < stop_at
+
+    return more
 
 
 def _level_process(results, url: str, payload: bytes, samples: int, tensor_bytes: int, concurrency: int,

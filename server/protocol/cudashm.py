@@ -37,7 +37,7 @@ from dataclasses import dataclass
 
 from ..core.devicemem import HANDLE_BYTES, DeviceMemory, DeviceMemoryError, Mapping
 from ..core.errors import ServingError, Status, exhausted, invalid, not_found, shown
-from .shm import _NAME, SharedMemoryRegistry
+from .shm import _NAME, SharedMemoryRegistry, sync_all
 
 log = logging.getLogger(__name__)
 KIND = "cuda"  # a record's "kind" (system regions' records have none)
@@ -346,8 +346,4 @@ class CudaSharedMemoryRegistry:
         return region
 
     def _sync_all(self) -> None:
-        if self._shared is None:
-            return
-        names = {f[2:] for f in os.listdir(self._shared) if f.startswith("r-")}
-        for name in names | set(self._regions):
-            self._sync(name)
+        sync_all(self._shared, self._regions, self._sync)

@@ -58,6 +58,16 @@ class Region:
             self.fd = None
 
 
+def sync_all(shared_dir: str | None, regions: dict, sync: Callable[[str], object]) -> None:
+    """Bring every region in line with the shared records (``sync`` one name): those recorded by any process and
+    those this one knows. Nothing to do without a shared directory."""
+    if shared_dir is None:
+        return
+    names = {f[2:] for f in os.listdir(shared_dir) if f.startswith("r-")}
+    for name in names | set(regions):
+        sync(name)
+
+
 def _identity(info: os.stat_result) -> tuple[int, int]:
     return info.st_dev, info.st_ino
 
@@ -194,11 +204,7 @@ class SharedMemoryRegistry:
         return region
 
     def _sync_all(self) -> None:
-        if self._shared is None:
-            return
-        names = {f[2:] for f in os.listdir(self._shared) if f.startswith("r-")}
-        for name in names | set(self._regions):
-            self._sync(name)
+        sync_all(self._shared, self._regions, self._sync)
 
     def unregister(self, name: str) -> None:
         """Unregister one region, or every region when name is empty."""
