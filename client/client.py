@@ -143,6 +143,24 @@ class Client:
         regions = self._call("SystemSharedMemoryStatus", pb.SystemSharedMemoryStatusRequest(name=name)).regions
         return {n: (r.key, r.offset, r.byte_size) for n, r in regions.items()}
 
+    def register_cuda_shared_memory(self, name: str, raw_handle: bytes, device_id: int, byte_size: int) -> None:
+        """Register ``byte_size`` bytes of device memory by its CUDA IPC handle (the 64 bytes of
+        ``cudaIpcGetMemHandle``, exported by this process, never the server's) on GPU ``device_id``; reference it
+        from inputs and outputs by name as a system region (``infer_shared_memory``): the server reads the input
+        where it lies and writes the output there."""
+        self._call("CudaSharedMemoryRegister", pb.CudaSharedMemoryRegisterRequest(
+            name=name, raw_handle=raw_handle, device_id=device_id, byte_size=byte_size))
+
+    def unregister_cuda_shared_memory(self, name: str = "") -> None:
+        """Unregister one CUDA region, or all of them when name is empty (the server unmaps each once the
+        requests reading it are done)."""
+        self._call("CudaSharedMemoryUnregister", pb.CudaSharedMemoryUnregisterRequest(name=name))
+
+    def cuda_shared_memory_status(self, name: str = "") -> dict[str, tuple[int, int]]:
+        """{region name: (device_id, byte_size)}."""
+        regions = self._call("CudaSharedMemoryStatus", pb.CudaSharedMemoryStatusRequest(name=name)).regions
+        return {n: (r.device_id, r.byte_size) for n, r in regions.items()}
+
     def is_live(self) -> bool:
         return bool(self._call("ServerLive", pb.ServerLiveRequest()).live)
 

@@ -11,7 +11,7 @@ import signal
 from typing import TYPE_CHECKING
 
 from . import eventloop, logs, tracing
-from .core.devicemem import DeviceMemory
+from .core.devicemem import CudaDeviceMemory, DeviceMemory
 from .core.errors import StartupError
 from .core.heap import freeze_startup_objects
 from .metrics import Metrics, latency_buckets
@@ -152,9 +152,13 @@ class VoxServer:
             self.state.spec = ModelSpec(s.model_name, s.model_version, cin, cout, k, s.max_request_samples,
                                         s.max_request_voxels)
             self.state.device, self.state.kernel = devices, kernel
-            # CUDA shared memory is offered where a device layer is given; a GPU server does not offer it on its
-            # own until inference can read registered regions (registration alone would only invite requests that
-            # are then refused).
+            # A server whose model runs on CUDA offers CUDA shared memory (the kernel library opens the handles). A
+            # front end does not: its engines would have to hold the mappings.
+            if self.cuda_shm is None and self.role.kind != FRONTEND and devices.startswith("cuda"):
+                from voxserve.kernels import cuda as cuda_kernels
+
+                if cuda_kernels.load_problem() is None:
+                    self._offer_cuda_shm(CudaDeviceMemory())
             self.metrics.set_build(devices, kernel)
             if not self.state.draining:
                 freeze_startup_objects()

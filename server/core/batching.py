@@ -42,6 +42,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .devicemem import DeviceArray
+
+Tensor = np.ndarray | DeviceArray  # a request's input: its bytes on the host, or where it lies on a device
+
 
 class QueueFull(Exception):
     """The queue holds its maximum number of requests."""
@@ -56,7 +60,7 @@ class _Item:
 
     __slots__ = ("array", "arrived_ns", "deadline", "future", "samples")
 
-    def __init__(self, array: np.ndarray, deadline: float | None, future: asyncio.Future) -> None:
+    def __init__(self, array: Tensor, deadline: float | None, future: asyncio.Future) -> None:
         self.array = array
         self.deadline = deadline  # loop.time() by which the answer is due
         self.future = future
@@ -69,7 +73,7 @@ class _Large(_Item):
 
     __slots__ = ("datatype", "finished", "formed", "outputs", "started_ns")
 
-    def __init__(self, array: np.ndarray, deadline: float | None, future: asyncio.Future, datatype: str,
+    def __init__(self, array: Tensor, deadline: float | None, future: asyncio.Future, datatype: str,
                  chunks: int) -> None:
         super().__init__(array, deadline, future)
         self.datatype = datatype
@@ -112,7 +116,7 @@ class DynamicBatcher:
     each answered request's wait from arrival to execution. Requests larger than ``max_batch`` run in chunks
     between the others (see the module's docstring for the bound on any request's wait)."""
 
-    def __init__(self, execute: Callable[[list[np.ndarray], str], Awaitable[np.ndarray]], *, max_batch: int,
+    def __init__(self, execute: Callable[[list[Tensor], str], Awaitable[np.ndarray]], *, max_batch: int,
                  max_delay_s: float, max_queue: int, enabled: bool = True, max_inflight: int = 1,
                  overlap_bytes: int = 0, devices: int = 1, on_depth: Callable[[int], None] | None = None,
                  on_queued: Callable[[int], None] | None = None) -> None:
@@ -143,11 +147,13 @@ class DynamicBatcher:
         if self._queued >= self.max_queue:
             raise QueueFull(f"the queue holds {self._queued} requests, its limit (--max-queue-size {self.max_queue})")
 
-    async def submit(self, array: np.ndarray, datatype: str, timeout_s: float | None = None) -> BatchResult:
+    async def submit(self, array: Tensor, datatype: str,
+                     timeout_s: float | None = None) -> BatchResult:
         """Queue one request's (N, Cin, D, H, W) array; QueueFull at once when the queue is full."""
         return await self.enqueue(array, datatype, timeout_s)  # a cancelled caller cancels the future: skipped
 
-    def enqueue(self, array: np.ndarray, datatype: str, timeout_s: float | None = None) -> asyncio.Future:
+    def enqueue(self, array: Tensor, datatype: str,
+                timeout_s: float | None = None) -> asyncio.Future:
         """``submit`` without a coroutine: the future of the request's BatchResult (cancel it to drop the
         request); QueueFull at once when the queue is full."""
         self.admit()
@@ -161,7 +167,10 @@ class DynamicBatcher:
             future = self._large[-1].future
         else:
             item = _Item(array, deadline, loop.create_future())
-            self._groups.setdefault((array.shape[1:], datatype), deque()).append(item)
+            # A tensor in a client's CUDA memory batches only with tensors on its device (its place).
+            key = (array.shape[1:], datatype) if isinstance(array, np.ndarray) else (array.shape[1:], datatype,
+                                                                                    array.place)
+            self._groups.setdefault(key, deque()).append(item)
             future = item.future
         self._queued += 1
         self._depth_changed(loop)
@@ -337,7 +346,7 @@ class DynamicBatcher:
                 item.future.set_result(BatchResult(rows, started - item.arrived_ns, samples))
                 self._on_queued(started - item.arrived_ns)
 
-    async def _run_chunk(self, item: _Large, index: int, chunk: np.ndarray) -> None:
+    async def _run_chunk(self, item: _Large, index: int, chunk: Tensor) -> None:
         started = time.perf_counter_ns()
         if index == 0:
             item.started_ns = started

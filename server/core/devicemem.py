@@ -13,8 +13,11 @@ for the error.
 
 from __future__ import annotations
 
+import ctypes
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
+
+import numpy as np
 
 HANDLE_BYTES = 64  # CUDA_IPC_HANDLE_SIZE: a cudaIpcMemHandle_t, sent raw over gRPC
 
@@ -48,6 +51,7 @@ class Mapping:
     base: int
     device: int
     opened_on: int
+    host: bool = False  # the memory is this process's own host memory, read and written directly (the test layer)
 
 
 class DeviceMemoryError(Exception):
@@ -63,6 +67,55 @@ class DeviceMemoryError(Exception):
         return f"DeviceMemoryError({self.reason!r}, {self.cuda_error!r})"
 
 
+class DeviceArray:
+    """A request's tensor where it lies in a client's registered CUDA memory: its address, shape, wire dtype and
+    device, and what keeps the mapping open (``keep``: a lease, held as long as this array or a tensor made from
+    it is alive, so that an execution still reading it outlives the request that brought it). Slicing the first
+    axis gives another view of the same memory, as numpy's does (a request run in pieces)."""
+
+    __slots__ = ("address", "device", "dtype", "keep", "shape")
+
+    def __init__(self, address: int, shape: tuple[int, ...], dtype: np.dtype, device: int, keep: Any) -> None:
+        self.address, self.shape, self.dtype, self.device, self.keep = address, tuple(shape), dtype, device, keep
+
+    @property
+    def place(self) -> str:
+        """Where the tensor lies (the batcher merges only tensors of one place)."""
+        return f"cuda:{self.device}"
+
+    @property
+    def nbytes(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
+
+    def __len__(self) -> int:
+        return self.shape[0]
+
+    def __getitem__(self, index: slice) -> DeviceArray:
+        start, stop, step = index.indices(self.shape[0])
+        if step != 1:
+            raise IndexError("a device array is sliced along its first axis in steps of 1")
+        row = self.nbytes // max(self.shape[0], 1)
+        stop = max(start, stop)
+        return DeviceArray(self.address + start * row, (stop - start, *self.shape[1:]), self.dtype, self.device,
+                           self.keep)
+
+    @property
+    def __cuda_array_interface__(self) -> dict:
+        # bfloat16 has no typestr: its bits (uint16 on the wire) are read as int16, and viewed as bfloat16 after.
+        typestr = "<i2" if self.dtype == np.dtype("<u2") else self.dtype.str
+        return {"shape": self.shape, "typestr": typestr, "data": (self.address, True), "version": 3,
+                "strides": None}
+
+
+def host_view(address: int, shape: tuple[int, ...], dtype: np.dtype, keep: Any) -> np.ndarray:
+    """A numpy view of ``shape`` at ``address`` in this process's memory (a host mapping), keeping ``keep`` (its
+    lease) alive as long as the view or any view of it is."""
+    count = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    buffer = (ctypes.c_char * count).from_address(address)
+    buffer.keep = keep  # type: ignore[attr-defined]  # numpy's view holds the buffer, the buffer the lease
+    return np.frombuffer(memoryview(buffer), dtype=dtype).reshape(shape)
+
+
 class DeviceMemory(Protocol):
     """What the CUDA shared-memory registry needs of the devices. ``open`` and ``close`` may take milliseconds:
     call them off the event loop."""
@@ -76,6 +129,10 @@ class DeviceMemory(Protocol):
 
     def close(self, mapping: Mapping) -> None:
         """Unmap what ``open`` returned (once per open); DeviceMemoryError if CUDA refuses."""
+
+    def write(self, address: int, data: bytes, device: int) -> None:
+        """Copy ``data`` to ``address``, inside a mapping opened on ``device``; complete when this returns (the
+        response that says so follows it)."""
 
 
 class CudaDeviceMemory:
@@ -106,3 +163,12 @@ class CudaDeviceMemory:
             self._cuda.ipc_close(mapping.address, mapping.opened_on)
         except self._cuda.IpcError as exc:
             raise DeviceMemoryError(f"CUDA could not unmap it ({exc.name})", exc.name) from None
+
+    def write(self, address: int, data: bytes, device: int) -> None:
+        import torch
+
+        target = torch.as_tensor(DeviceArray(address, (len(data),), np.dtype(np.uint8), device, None),
+                                 device=f"cuda:{device}")
+        with torch.cuda.device(device):
+            target.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+            torch.cuda.current_stream(device).synchronize()

@@ -15,13 +15,14 @@ import asyncio
 import logging
 from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import cast
+from typing import TypeVar, cast
 
 import numpy as np
 import torch
 
 from ..metrics import Metrics
-from .batching import BatchingConfig, BatchResult, DynamicBatcher
+from .batching import BatchingConfig, BatchResult, DynamicBatcher, Tensor
+from .devicemem import DeviceArray
 from .errors import ServingError, Status
 from .model import ExecutionTimes, Model
 from .pipeline import PARALLEL_COPY_BYTES, CompletionWatcher
@@ -41,16 +42,19 @@ def is_out_of_memory(exc: BaseException) -> bool:
         isinstance(exc, RuntimeError) and ("out of memory" in str(exc) or "can't allocate memory" in str(exc)))
 
 
-def split_executions(arrays: Sequence[np.ndarray], limit: int) -> list[list[np.ndarray]]:
+_T = TypeVar("_T", bound=np.ndarray | DeviceArray)
+
+
+def split_executions(arrays: Sequence[_T], limit: int) -> list[list[_T]]:
     """Group request arrays (views, never copies) into executions of at most ``limit`` samples, in order."""
-    executions: list[list[np.ndarray]] = []
-    current: list[np.ndarray] = []
+    executions: list[list[_T]] = []
+    current: list[_T] = []
     count = 0
     for a in arrays:
         start = 0
         while start < a.shape[0]:
             take = min(limit - count, a.shape[0] - start)
-            current.append(a[start : start + take] if take != a.shape[0] else a)
+            current.append(cast(_T, a[start : start + take]) if take != a.shape[0] else a)
             count += take
             start += take
             if count == limit:
@@ -121,32 +125,47 @@ class Runner:
         """QueueFull when no further request may queue (checked before a request is decoded)."""
         self.batcher.admit()
 
-    def run(self, arr: np.ndarray, datatype: str, timeout_s: float | None = None) -> Awaitable[BatchResult]:
+    def run(self, arr: np.ndarray | DeviceArray, datatype: str,
+            timeout_s: float | None = None) -> Awaitable[BatchResult]:
         """Infer one request's (N, Cin, D, H, W) wire-typed array (raises QueueFull, DeadlineExceeded). The future
         itself, awaited by the caller: no frame of this method keeps the array (a failure's traceback would)."""
         return self.enqueue(arr, datatype, timeout_s)
 
-    def enqueue(self, arr: np.ndarray, datatype: str, timeout_s: float | None = None) -> asyncio.Future:
+    def enqueue(self, arr: np.ndarray | DeviceArray, datatype: str, timeout_s: float | None = None) -> asyncio.Future:
         """``run`` as a future (the engine of --frontends answers from its callback, no task per request)."""
         return self.batcher.enqueue(arr, datatype, timeout_s)
 
     # --- executing one batch ---------------------------------------------------------
 
-    async def _execute(self, arrays: list[np.ndarray], datatype: str) -> np.ndarray:
+    async def _execute(self, arrays: list[Tensor], datatype: str) -> np.ndarray:
         live = [w for w in self.workers if w.lost is None]
         if not live:
             raise self.lost_error()
         worker = min(live, key=lambda w: w.inflight)
         executions = split_executions(arrays, self.max_batch)
-        if worker.model.pipeline is not None:
-            outputs = await self._execute_gpu(worker, executions, datatype)
-        else:  # the CPU: one execution after another, each start to finish on the worker thread
+        host = cast(list[list[np.ndarray]], executions)  # unless a tensor lies on a device (the first branch)
+        if not isinstance(arrays[0], np.ndarray):  # in a client's CUDA memory: on its device, read where it lies
+            place = arrays[0].place
+            worker = min((w for w in live if str(w.model.device) == place), key=lambda w: w.inflight, default=worker)
             loop = asyncio.get_running_loop()
             outputs = []
             for ex in executions:
                 worker.inflight += 1
                 try:
-                    outputs.append(await loop.run_in_executor(worker.submitter, self._run_sync, worker, ex, datatype))
+                    outputs.append(await loop.run_in_executor(worker.submitter, self._run_device_sync, worker, ex,
+                                                              datatype))
+                finally:
+                    worker.inflight -= 1
+        elif worker.model.pipeline is not None:
+            outputs = await self._execute_gpu(worker, host, datatype)
+        else:  # the CPU: one execution after another, each start to finish on the worker thread
+            loop = asyncio.get_running_loop()
+            outputs = []
+            for host_ex in host:
+                worker.inflight += 1
+                try:
+                    outputs.append(await loop.run_in_executor(worker.submitter, self._run_sync, worker, host_ex,
+                                                              datatype))
                 finally:
                     worker.inflight -= 1
         return outputs[0] if len(outputs) == 1 else np.concatenate(outputs)
@@ -199,6 +218,18 @@ class Runner:
             raise self.lost_error()
         try:
             y, times = worker.model.run_arrays(arrays, datatype)
+        except Exception as exc:
+            raise self._fault(worker, exc, arrays) from None
+        self._record(int(y.shape[0]), times)
+        return y
+
+    def _run_device_sync(self, worker: DeviceWorker, arrays: list, datatype: str) -> np.ndarray:
+        """One execution of tensors in clients' CUDA memory (DeviceArrays), start to finish, on the worker
+        thread."""
+        if worker.lost is not None:
+            raise self.lost_error()
+        try:
+            y, times = worker.model.run_device_arrays(arrays, datatype)
         except Exception as exc:
             raise self._fault(worker, exc, arrays) from None
         self._record(int(y.shape[0]), times)

@@ -14,6 +14,7 @@ import numpy as np
 from voxserve.datatypes import INPUT_DATATYPES, ITEMSIZE, WIRE_DTYPE
 from voxserve.proto import pb
 
+from ..core.devicemem import DeviceArray
 from ..core.errors import exhausted, invalid, not_found, shown, unimplemented
 
 INPUT_NAME = "input"
@@ -48,7 +49,7 @@ class SharedMemoryRef:
 
 @dataclass(frozen=True)
 class InferInput:
-    array: np.ndarray  # wire-typed view (N, Cin, D, H, W); BF16 as uint16 bits
+    array: np.ndarray | DeviceArray  # wire-typed view (N, Cin, D, H, W); BF16 as uint16 bits
     datatype: str
     typed_response: bool  # the client sent typed contents: answer the same way
     output_shm: SharedMemoryRef | None = None  # write the output there instead of into the response
@@ -128,8 +129,9 @@ def shared_memory_input_bytes(request: pb.ModelInferRequest) -> int | None:
 def decode_request(request: pb.ModelInferRequest, spec: ModelSpec, shm=None,
                    raw_contents: Sequence[bytes | memoryview] | None = None) -> InferInput:
     """Validate ``request`` against the model and return its input as an array (a zero-copy view of
-    raw bytes; a private copy of shared memory). ``shm``: the SharedMemoryRegistry, if the server has one (with its
-    CUDA regions, ``shm.cuda``, if it has those: a tensor in one is refused with UNIMPLEMENTED for now).
+    raw bytes; a private copy of system shared memory; for CUDA shared memory the tensor where it lies, a
+    ``DeviceArray``). ``shm``: the SharedMemoryRegistry, if the server has one (with its CUDA regions,
+    ``shm.cuda``, if it has those).
     ``raw_contents``: the raw tensor bytes when they were kept out of the message (server/protocol/wire.py)."""
     if raw_contents is None:
         raw_contents = request.raw_input_contents
@@ -145,12 +147,6 @@ def decode_request(request: pb.ModelInferRequest, spec: ModelSpec, shm=None,
     output_shm = _shm_ref(request.outputs[0].parameters, f"output '{OUTPUT_NAME}'") if request.outputs else None
     if (input_shm or output_shm) and shm is None:
         raise unimplemented("this server does not offer system shared memory")
-    if shm is not None and shm.cuda is not None:
-        for ref, what in ((input_shm, f"input '{INPUT_NAME}'"), (output_shm, f"output '{OUTPUT_NAME}'")):
-            if ref is not None and shm.cuda.holds(ref.region):
-                raise unimplemented(f"{what} names CUDA shared-memory region {ref.region!r}: this server registers "
-                                    f"CUDA shared memory but does not yet read inputs from it or write outputs to "
-                                    f"it; send the tensor in the request or in system shared memory")
     if tensor.datatype not in INPUT_DATATYPES:
         raise invalid(f"input '{INPUT_NAME}' has datatype '{shown(tensor.datatype)}'; supported: "
                       f"{', '.join(INPUT_DATATYPES)}")
@@ -192,6 +188,10 @@ def decode_request(request: pb.ModelInferRequest, spec: ModelSpec, shm=None,
         if input_shm.byte_size != expected:
             raise invalid(f"input '{INPUT_NAME}' shape {list(shape)} of {datatype} needs {expected} bytes; "
                           f"'{SIZE_PARAM}' is {input_shm.byte_size}")
+        if shm.cuda is not None and shm.cuda.holds(input_shm.region):  # read where it lies: no copy
+            array = shm.cuda.read(input_shm.region, input_shm.offset, shape, WIRE_DTYPE[datatype],
+                                  f"input '{INPUT_NAME}'")
+            return InferInput(array, datatype, False, output_shm)
         data = shm.read(input_shm.region, input_shm.offset, expected, f"input '{INPUT_NAME}'")
         return InferInput(np.frombuffer(data, dtype=WIRE_DTYPE[datatype]).reshape(shape), datatype, False,
                           output_shm)
@@ -234,7 +234,8 @@ def encode_response(request: pb.ModelInferRequest, spec: ModelSpec, output: np.n
     out = np.ascontiguousarray(output, dtype="<f4")
     if decoded.output_shm is not None:
         ref = decoded.output_shm
-        shm.write(ref.region, ref.offset, out.tobytes(), f"output '{OUTPUT_NAME}'")
+        cuda = shm.cuda if shm.cuda is not None and shm.cuda.holds(ref.region) else None
+        (cuda or shm).write(ref.region, ref.offset, out.tobytes(), f"output '{OUTPUT_NAME}'")
         tensor.parameters[REGION_PARAM].string_param = ref.region
         tensor.parameters[SIZE_PARAM].int64_param = out.nbytes
     elif decoded.typed_response:

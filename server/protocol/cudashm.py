@@ -35,7 +35,9 @@ import threading
 import weakref
 from dataclasses import dataclass
 
-from ..core.devicemem import HANDLE_BYTES, DeviceMemory, DeviceMemoryError, Mapping
+import numpy as np
+
+from ..core.devicemem import HANDLE_BYTES, DeviceArray, DeviceMemory, DeviceMemoryError, Mapping, host_view
 from ..core.errors import ServingError, Status, exhausted, invalid, not_found, shown
 from .shm import _NAME, SharedMemoryRegistry, sync_all
 
@@ -62,7 +64,7 @@ class Lease:
     """``nbytes`` of a region at ``address`` on ``device``, kept mapped until ``release()`` (idempotent; also run
     when the lease is garbage-collected, so a lease dropped by a cancelled request is never lost)."""
 
-    __slots__ = ("__weakref__", "_release", "address", "device", "nbytes", "region")
+    __slots__ = ("__weakref__", "_release", "address", "device", "host", "nbytes", "region")
 
     def __init__(self, registry: CudaSharedMemoryRegistry, region: CudaRegion, offset: int, nbytes: int) -> None:
         assert region.mapping is not None
@@ -70,6 +72,7 @@ class Lease:
         self.address = region.mapping.address + offset
         self.nbytes = nbytes
         self.device = region.mapping.device
+        self.host = region.mapping.host
         self._release = weakref.finalize(self, registry._release, region)
 
     def release(self) -> None:
@@ -200,6 +203,30 @@ class CudaSharedMemoryRegistry:
                 region.mapping = self._open_here(region, what)
             region.in_use += 1
             return Lease(self, region, offset, byte_size)
+
+    def read(self, name: str, offset: int, shape: tuple[int, ...], dtype: np.dtype,
+             what: str) -> np.ndarray | DeviceArray:
+        """The tensor of ``shape`` and ``dtype`` at ``offset`` of region ``name``, where it lies (no copy): a
+        DeviceArray, or a numpy view for host memory. It holds its lease: the mapping stays open while the tensor,
+        or an execution reading it, is alive. Errors as ``lease``'s."""
+        nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        lease = self.lease(name, offset, nbytes, what)
+        if lease.host:
+            return host_view(lease.address, shape, dtype, lease)
+        return DeviceArray(lease.address, shape, dtype, lease.device, lease)
+
+    def write(self, name: str, offset: int, data: bytes, what: str) -> None:
+        """Copy ``data`` to ``offset`` of region ``name`` (an output), complete when this returns. Errors as
+        ``lease``'s; a copy the device refuses is INTERNAL, naming CUDA's error."""
+        lease = self.lease(name, offset, len(data), what)
+        try:
+            self.devices.write(lease.address, data, lease.device)
+        except DeviceMemoryError as exc:
+            log.error("writing %d bytes into CUDA shared-memory region %r failed: %s", len(data), name, exc)
+            raise ServingError(Status.INTERNAL, f"{what}: the output could not be written into CUDA shared-memory "
+                                                f"region {shown(name)!r} ({exc.cuda_error or exc.reason})") from None
+        finally:
+            lease.release()
 
     def _open_here(self, region: CudaRegion, what: str) -> Mapping:
         """Open a region registered by another replica (under the lock: one open per region and process)."""

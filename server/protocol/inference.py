@@ -425,7 +425,7 @@ class InferenceService:
         failed = copying.cancelled() or copying.exception() is not None
         self._release_when_freed(None if failed else copying.result().array, nbytes)
 
-    def _release_when_freed(self, copy: np.ndarray | None, nbytes: int) -> None:
+    def _release_when_freed(self, copy: object, nbytes: int) -> None:
         """Give ``nbytes`` back to the shared-memory budget once ``copy``'s memory is freed: a request ended early
         (cancelled, past its deadline) may leave its copy in a thread still copying or computing. At the latest
         COPY_RELEASE_GRACE_S after now, whatever still holds it: a reference kept by mistake must not lock the
@@ -452,9 +452,10 @@ class InferenceService:
         loop.call_later(COPY_RELEASE_GRACE_S, release)
 
 
-def _memory_owner(array: np.ndarray | None) -> np.ndarray | None:
-    """The array that owns ``array``'s memory, through views and buffers, if it is a numpy array of its own."""
-    while array is not None:
+def _memory_owner(array: object) -> np.ndarray | None:
+    """The array that owns ``array``'s memory, through views and buffers, if it is a numpy array of its own (not a
+    tensor where it lies in a client's CUDA memory)."""
+    while isinstance(array, np.ndarray):
         base = array.base
         if base is None:
             return array if array.flags.owndata else None

@@ -22,6 +22,7 @@ import numpy as np
 from voxserve.datatypes import INPUT_DATATYPES
 
 from ..core.batching import BatchingConfig, BatchResult, QueueFull
+from ..core.devicemem import DeviceArray
 from ..core.errors import ServingError, Status, exhausted
 from . import ipc
 
@@ -108,8 +109,11 @@ class RemoteRunner:
         return ServingError(Status.UNAVAILABLE, f"the engine(s) on {', '.join(self.devices)} stopped "
                             f"({self.device_lost}); this replica must be restarted, retry on another")
 
-    async def run(self, arr: np.ndarray, datatype: str, timeout_s: float | None = None) -> BatchResult:
-        """Infer one request's (N, Cin, D, H, W) wire-typed array in an engine."""
+    async def run(self, arr: np.ndarray | DeviceArray, datatype: str, timeout_s: float | None = None) -> BatchResult:
+        """Infer one request's (N, Cin, D, H, W) wire-typed array in an engine (a front end offers no CUDA shared
+        memory: its engines hold no mappings)."""
+        if not isinstance(arr, np.ndarray):
+            raise ServingError(Status.UNIMPLEMENTED, "CUDA shared memory is not offered through front ends")
         live = [link for link in self.links if link.lost is None]
         if not live:
             raise self.lost_error()

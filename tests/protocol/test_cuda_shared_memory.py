@@ -18,20 +18,26 @@ import random
 import subprocess
 import sys
 import threading
+import time
 import urllib.error
 import urllib.request
 import uuid
 from pathlib import Path
 
 import grpc
+import numpy as np
 import pytest
+import torch
 from google.protobuf import descriptor_pool
 from google.protobuf.message_factory import GetMessageClass
 
 from voxserve.client import Client, InferenceError, SharedMemoryBuffer
+from voxserve.datatypes import from_wire, to_wire
+from voxserve.kernels import reference_float64, reference_weights
 from voxserve.proto import pb, pb_grpc
 from voxserve.server.app import VoxServer
 from voxserve.server.core.errors import ServingError, Status
+from voxserve.server.core.model import relative_error
 from voxserve.server.protocol.cudashm import CudaSharedMemoryRegistry
 from voxserve.server.protocol.shm import SharedMemoryRegistry
 from voxserve.server.settings import Settings
@@ -414,26 +420,70 @@ def test_the_rpcs_over_grpc(gpu_less_cuda_server, stub):
     assert fake.mapped == 0
 
 
-def test_an_inference_naming_a_cuda_region_is_refused_with_a_sentence(gpu_less_cuda_server, stub):
+@pytest.mark.parametrize("datatype", ["FP32", "FP16", "BF16"])
+def test_inference_reads_the_input_where_it_lies_and_writes_the_output_into_the_clients_region(
+        gpu_less_cuda_server, stub, rng, datatype):
+    """The whole protocol path through the fake layer (host memory): the input is read in the client's region
+    (no copy), the output written into the client's region; the answers are float64's, and gRPC's over the wire."""
+    srv, fake = gpu_less_cuda_server
+    w, b = reference_weights()
+    x = torch.randn((3, 3, 5, 6, 7), generator=rng).numpy()
+    wire = to_wire(x, datatype)
+    exact = torch.from_numpy(from_wire(wire, datatype, x.shape).copy())
+    out_bytes = 3 * 16 * 4
+    handle = fake.export(wire + bytes(out_bytes), device=1)
+    writes = fake.writes
+    with Client(srv.url) as client:
+        client.register_cuda_shared_memory("gpu_io", handle, 1, len(wire) + out_bytes)
+        assert client.cuda_shared_memory_status("gpu_io") == {"gpu_io": (1, len(wire) + out_bytes)}
+        assert client.infer_shared_memory(x.shape, "gpu_io", datatype=datatype, output_region="gpu_io",
+                                          output_offset=len(wire)) is None
+        y = np.frombuffer(fake.contents(handle)[len(wire):], "<f4").reshape(3, 16).copy()
+        assert fake.writes == writes + 1
+        assert relative_error(torch.from_numpy(y), reference_float64(exact, w, b)) <= 1e-5
+        np.testing.assert_array_equal(y, client.infer(exact.numpy(), datatype=datatype))
+        # Input there, output in the response
+        np.testing.assert_array_equal(client.infer_shared_memory(x.shape, "gpu_io", datatype=datatype), y)
+        client.unregister_cuda_shared_memory("gpu_io")
+        assert client.cuda_shared_memory_status() == {}
+
+
+def test_cuda_region_bounds_and_sizes_in_a_request(gpu_less_cuda_server, stub):
     srv, fake = gpu_less_cuda_server
     shape = (1, 3, 4, 4, 4)
     nbytes = 4 * 3 * 4 * 4 * 4
-    stub.CudaSharedMemoryRegister(pb.CudaSharedMemoryRegisterRequest(name="gpu_in", raw_handle=fake.export(nbytes),
+    stub.CudaSharedMemoryRegister(pb.CudaSharedMemoryRegisterRequest(name="small", raw_handle=fake.export(nbytes),
                                                                      device_id=0, byte_size=nbytes))
     with Client(srv.url) as client:
         with pytest.raises(InferenceError) as err:
-            client.infer_shared_memory(shape, "gpu_in")
-        assert err.value.code == grpc.StatusCode.UNIMPLEMENTED
-        assert "input 'input' names CUDA shared-memory region 'gpu_in'" in err.value.message
-        assert "does not yet read inputs from it" in err.value.message
-        with SharedMemoryBuffer(f"vox_cuda_{uuid.uuid4().hex[:8]}", nbytes) as segment:
-            client.register_system_shared_memory("sys_in", segment.key, nbytes)
-            with pytest.raises(InferenceError) as err:
-                client.infer_shared_memory(shape, "sys_in", output_region="gpu_in")
-            assert err.value.code == grpc.StatusCode.UNIMPLEMENTED
-            assert "output 'output' names CUDA shared-memory region 'gpu_in'" in err.value.message
-            assert client.infer_shared_memory(shape, "sys_in").shape == (1, 16)  # system regions still work
-            client.unregister_system_shared_memory()
+            client.infer_shared_memory(shape, "small", input_offset=4)  # past the region's end by 4 bytes
+        assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT and "outside CUDA shared-memory region" in \
+            err.value.message
+        with pytest.raises(InferenceError) as err:
+            client.infer_shared_memory(shape, "small", output_region="small", output_offset=nbytes - 8)
+        assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT
+        with pytest.raises(InferenceError) as err:
+            client.infer_shared_memory(shape, "absent")
+        assert err.value.code == grpc.StatusCode.NOT_FOUND
+
+
+def test_an_unregister_while_an_execution_reads_the_region_waits_for_it(gpu_less_cuda_server, stub):
+    """The lease travels with the tensor: unregistering during an inference frees the name at once and unmaps
+    the memory only once the execution has let go of it."""
+    srv, fake = gpu_less_cuda_server
+    shape = (2, 3, 6, 6, 6)
+    nbytes = 4 * int(np.prod(shape))
+    stub.CudaSharedMemoryRegister(pb.CudaSharedMemoryRegisterRequest(
+        name="busy", raw_handle=fake.export(np.ones(shape, np.float32).tobytes()), device_id=0, byte_size=nbytes))
+    mapped = fake.mapped
+    with Client(srv.url) as client:
+        answers = [client.infer_shared_memory(shape, "busy") for _ in range(2)]
+        stub.CudaSharedMemoryUnregister(pb.CudaSharedMemoryUnregisterRequest(name="busy"))
+        np.testing.assert_array_equal(answers[0], answers[1])
+    deadline = time.monotonic() + 10
+    while fake.mapped != mapped - 1 and time.monotonic() < deadline:  # the last lease goes with its tensor
+        time.sleep(0.01)
+    assert fake.mapped == mapped - 1
 
 
 # tritonclient.grpc in a process of its own (as tests/e2e/test_tritonclient.py runs it): see _tritonclient_pool.

@@ -32,6 +32,7 @@ class FakeDeviceMemory:
         self.devices = devices
         self.opens = 0
         self.closes = 0
+        self.writes = 0  # outputs written into a mapping
         self.fail_close = False  # make close raise (a test of what the registry does then)
         self.open_threads: list[str] = []  # the threads open ran on (the registry must keep it off the loop)
         self._exports: dict[bytes, _Export] = {}
@@ -83,7 +84,7 @@ class FakeDeviceMemory:
             address = ctypes.addressof(export.buffer)
             self._open[address] = self._open.get(address, 0) + 1
             self.opens += 1
-        return Mapping(address, len(export.buffer), address, export.device, device)
+        return Mapping(address, len(export.buffer), address, export.device, device, host=True)
 
     def close(self, mapping: Mapping) -> None:
         with self._lock:
@@ -93,3 +94,7 @@ class FakeDeviceMemory:
                 raise DeviceMemoryError("CUDA could not unmap it", "cudaErrorInvalidValue")
             self._open[mapping.address] -= 1
             self.closes += 1
+
+    def write(self, address: int, data: bytes, device: int) -> None:
+        ctypes.memmove(address, data, len(data))
+        self.writes += 1
