@@ -103,7 +103,8 @@ class DeviceArray:
     def __cuda_array_interface__(self) -> dict:
         # bfloat16 has no typestr: its bits (uint16 on the wire) are read as int16, and viewed as bfloat16 after.
         typestr = "<i2" if self.dtype == np.dtype("<u2") else self.dtype.str
-        return {"shape": self.shape, "typestr": typestr, "data": (self.address, True), "version": 3,
+        # (read-only False: torch accepts no other; the kernel only reads it)
+        return {"shape": self.shape, "typestr": typestr, "data": (self.address, False), "version": 3,
                 "strides": None}
 
 

@@ -4,6 +4,7 @@ requests batched together. Skipped without a CUDA device."""
 
 from __future__ import annotations
 
+import contextlib
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -74,6 +75,15 @@ def _env() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if k != "PYTORCH_CUDA_ALLOC_CONF"}
 
 
+@contextlib.contextmanager
+def _unregistering(client: Client):
+    """Every CUDA region unregistered at the end, whatever happened (the next test registers the same names)."""
+    try:
+        yield
+    finally:
+        client.unregister_cuda_shared_memory()
+
+
 @pytest.fixture(scope="module")
 def gpu_server():
     if not torch.cuda.is_available():
@@ -94,7 +104,7 @@ def test_a_request_reads_and_writes_the_clients_device_memory(gpu_server, dataty
     out_bytes = 3 * 16 * 4
     memory = ClientMemory(len(wire) + out_bytes, wire)
     try:
-        with Client(gpu_server.url) as client:
+        with Client(gpu_server.url) as client, _unregistering(client):
             client.register_cuda_shared_memory("io", memory.handle, 0, len(wire) + out_bytes)
             assert client.cuda_shared_memory_status() == {"io": (0, len(wire) + out_bytes)}
             assert client.infer_shared_memory(x.shape, "io", datatype=datatype, output_region="io",
@@ -116,7 +126,7 @@ def test_requests_on_one_region_batch_together(gpu_server):
     row = x[0].nbytes
     memory = ClientMemory(x.nbytes, x.tobytes())
     try:
-        with Client(gpu_server.url) as client:
+        with Client(gpu_server.url) as client, _unregistering(client):
             client.register_cuda_shared_memory("many", memory.handle, 0, x.nbytes)
             with ThreadPoolExecutor(16) as pool:
                 ys = list(pool.map(lambda i: client.infer_shared_memory((1, 3, 16, 32, 32), "many",
