@@ -151,7 +151,7 @@ class Settings:
         "most REST connections open at once; a further one is answered 503 and closed",
         check=(lambda v: v >= 1, "must be >= 1"))
     max_json_bytes: int = option(
-        16 * MiB,
+        4 * MiB,
         "largest JSON part of a REST request (413 above it): JSON numbers cost several times their text in memory "
         "and hold the interpreter while parsed; large tensors travel as binary data",
         check=(lambda v: v >= 1024, "must be >= 1024"))

@@ -14,6 +14,7 @@ for the error.
 from __future__ import annotations
 
 import ctypes
+import math
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -85,7 +86,7 @@ class DeviceArray:
 
     @property
     def nbytes(self) -> int:
-        return int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
+        return math.prod(self.shape) * self.dtype.itemsize
 
     def __len__(self) -> int:
         return self.shape[0]
@@ -111,7 +112,7 @@ class DeviceArray:
 def host_view(address: int, shape: tuple[int, ...], dtype: np.dtype, keep: Any) -> np.ndarray:
     """A numpy view of ``shape`` at ``address`` in this process's memory (a host mapping), keeping ``keep`` (its
     lease) alive as long as the view or any view of it is."""
-    count = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    count = math.prod(shape) * dtype.itemsize
     buffer = (ctypes.c_char * count).from_address(address)
     buffer.keep = keep  # type: ignore[attr-defined]  # numpy's view holds the buffer, the buffer the lease
     return np.frombuffer(memoryview(buffer), dtype=dtype).reshape(shape)
@@ -146,6 +147,7 @@ class CudaDeviceMemory:
 
         self._cuda = cuda
         self._count = torch.cuda.device_count()
+        self._streams: dict[int, torch.cuda.Stream] = {}  # the outputs' copies, per device
 
     def device_count(self) -> int:
         return self._count
@@ -170,6 +172,10 @@ class CudaDeviceMemory:
 
         target = torch.as_tensor(DeviceArray(address, (len(data),), np.dtype(np.uint8), device, None),
                                  device=f"cuda:{device}")
-        with torch.cuda.device(device):
-            target.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
-            torch.cuda.current_stream(device).synchronize()
+        # On a stream of its own: waiting for it waits for this copy only, not for executions on the device.
+        stream = self._streams.get(device)
+        if stream is None:
+            stream = self._streams[device] = torch.cuda.Stream(device)
+        with torch.cuda.stream(stream):
+            target.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8), non_blocking=False)
+        stream.synchronize()

@@ -26,14 +26,16 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import collections
 import contextlib
 import json
 import logging
+import math
 import os
 import secrets
 import threading
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -45,13 +47,13 @@ log = logging.getLogger(__name__)
 KIND = "cuda"  # a record's "kind" (system regions' records have none)
 
 
-@dataclass
+@dataclass(eq=False)  # identity: two registrations are never the same region
 class CudaRegion:
     """A registered region. ``device_id``: as the client gave it (the device whose context opened the handle);
     ``mapping``: this process's, None until it is opened here (in a replica that did not register it)."""
 
     name: str
-    handle: bytes
+    handle: bytes = field(repr=False)  # a capability: never in a repr, a log or a message
     device_id: int
     byte_size: int
     mapping: Mapping | None
@@ -100,6 +102,7 @@ class CudaSharedMemoryRegistry:
         self._pending: set[str] = set()  # names whose handle is being opened
         self._draining: list[CudaRegion] = []  # unregistered, still leased
         self._lock = threading.Lock()
+        self._released: collections.deque[CudaRegion] = collections.deque()  # leases ended, not yet accounted
 
     # --- registration ---------------------------------------------------------------------------
 
@@ -126,11 +129,12 @@ class CudaSharedMemoryRegistry:
         if self._system_holds(name):
             raise ServingError(Status.ALREADY_EXISTS, f"region {name!r} is already registered (as system shared "
                                                       f"memory)")
-        with self._lock:
+        with self._locked():
             self._sync_all()
             if name in self._regions or name in self._pending:
                 raise ServingError(Status.ALREADY_EXISTS, f"region {name!r} is already registered")
-            taken = len(self._regions) + len(self._pending)
+            # Regions unregistered but still read by a request keep their mapping: they count until it closes.
+            taken = len(self._regions) + len(self._pending) + len(self._draining)
             if taken >= self.max_regions:
                 raise exhausted(f"{taken} CUDA shared-memory regions are registered, the limit "
                                 f"(--max-cuda-shm-regions)")
@@ -142,7 +146,7 @@ class CudaSharedMemoryRegistry:
                     raise invalid(f"region {name!r}: byte_size {byte_size} exceeds the {mapping.size} bytes of the "
                                   f"device allocation that raw_handle maps")
                 region = CudaRegion(name, bytes(raw_handle), device_id, byte_size, mapping, secrets.token_hex(8))
-                with self._lock:
+                with self._locked():
                     if self._shared is not None:
                         self._write_record(region)
                     self._regions[name] = region
@@ -150,7 +154,7 @@ class CudaSharedMemoryRegistry:
                 await asyncio.to_thread(self._close, name, mapping)
                 raise
         finally:
-            with self._lock:
+            with self._locked():
                 self._pending.discard(name)
 
     def _system_holds(self, name: str) -> bool:
@@ -182,7 +186,7 @@ class CudaSharedMemoryRegistry:
 
     def holds(self, name: str) -> bool:
         """Whether ``name`` is a CUDA region (registered or being registered): the system registry's check."""
-        with self._lock:
+        with self._locked():
             return name in self._pending or self._sync(name) is not None
 
     # --- use --------------------------------------------------------------------------------------
@@ -192,7 +196,7 @@ class CudaSharedMemoryRegistry:
         an unknown name; INVALID_ARGUMENT unless the bytes lie inside the region (exact integers: no overflow);
         in a replica that did not register the region, its handle is opened here first (a blocking CUDA call:
         call this off the event loop)."""
-        with self._lock:
+        with self._locked():
             region = self._sync(name)
             if region is None:
                 raise not_found(f"{what}: CUDA shared-memory region {shown(name)!r} is not registered")
@@ -209,7 +213,7 @@ class CudaSharedMemoryRegistry:
         """The tensor of ``shape`` and ``dtype`` at ``offset`` of region ``name``, where it lies (no copy): a
         DeviceArray, or a numpy view for host memory. It holds its lease: the mapping stays open while the tensor,
         or an execution reading it, is alive. Errors as ``lease``'s."""
-        nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        nbytes = math.prod(shape) * dtype.itemsize  # exact: Python integers
         lease = self.lease(name, offset, nbytes, what)
         if lease.host:
             return host_view(lease.address, shape, dtype, lease)
@@ -242,20 +246,43 @@ class CudaSharedMemoryRegistry:
         return mapping
 
     def _release(self, region: CudaRegion) -> None:
+        """A lease's end, from wherever its last reference went: a finalizer may run on a thread that holds the
+        lock, inside one of this registry's own calls (the lock is not reentrant), so it is queued and done by
+        whoever holds the lock when it lets go, or here if nobody does."""
+        self._released.append(region)
+        self._drain()
+
+    @contextlib.contextmanager
+    def _locked(self):
+        """The registry's lock; on the way out, the leases released meanwhile are done."""
         with self._lock:
-            region.in_use -= 1
-            drained = region.unregistered and region.in_use == 0
-            if drained:
-                self._draining.remove(region)
-        if drained and region.mapping is not None:
-            self._close(region.name, region.mapping)
+            yield
+        self._drain()
+
+    def _drain(self) -> None:
+        while self._released:
+            if not self._lock.acquire(blocking=False):
+                return  # its holder drains when it lets go
+            drained: list[CudaRegion] = []
+            try:
+                while self._released:
+                    region = self._released.popleft()
+                    region.in_use -= 1
+                    if region.unregistered and region.in_use == 0 and region in self._draining:
+                        self._draining.remove(region)  # (not there once close() has closed everything)
+                        drained.append(region)
+            finally:
+                self._lock.release()
+            for region in drained:
+                if region.mapping is not None:
+                    self._close(region.name, region.mapping)
 
     # --- unregistration and status ----------------------------------------------------------------
 
     async def unregister(self, name: str) -> None:
         """Unregister region ``name``, or every CUDA region when ``name`` is empty. The name is free at once; each
         mapping is closed now (off the event loop), or when its last lease is released."""
-        with self._lock:
+        with self._locked():
             if name and self._sync(name) is None:
                 raise not_found(f"CUDA shared-memory region {shown(name)!r} is not registered")
             if not name:
@@ -286,7 +313,7 @@ class CudaSharedMemoryRegistry:
     def status(self, name: str) -> list[CudaRegion]:
         """Region ``name``, or every CUDA region when name is empty (the caller shows name, device_id and
         byte_size: never the handle)."""
-        with self._lock:
+        with self._locked():
             if name:
                 region = self._sync(name)
                 if region is None:
@@ -298,13 +325,13 @@ class CudaSharedMemoryRegistry:
     @property
     def draining(self) -> int:
         """Unregistered regions whose mapping waits for its last lease."""
-        with self._lock:
+        with self._locked():
             return len(self._draining)
 
     def close(self) -> None:
         """Close every mapping of this process, leased or not (the server is stopping: its executions are over);
         the shared records stay, other replicas may still serve them."""
-        with self._lock:
+        with self._locked():
             regions = [*self._regions.values(), *self._draining]
             self._regions.clear()
             self._draining.clear()

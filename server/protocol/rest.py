@@ -33,11 +33,17 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
+import fcntl
 import logging
+import socket
+import ssl
+import struct
+import termios
 from collections.abc import Awaitable, Callable
 
 import orjson
-from aiohttp import web
+from aiohttp import HttpVersion11, web
 
 from voxserve.proto import pb
 
@@ -63,6 +69,8 @@ HTTP_STATUS = {
 }  # fmt: skip
 JSON_INLINE_BYTES = 64 * 1024  # larger JSON is parsed in a thread (the event loop gets the interpreter in between)
 MIN_BODY_BYTES_PER_S = 1e6  # the slowest average a body may arrive at, beyond --http-timeout-s
+TLS_HANDSHAKE_S = 10.0  # at most this long for a TLS handshake (or --http-timeout-s, if shorter)
+ACCEPT_WARN_S = 10.0  # at most one warning this often when connections cannot be accepted
 OPEN_ROUTES = frozenset({"ServerLive", "ServerReady", "ModelReady"})  # --open-health: probes without a token
 INFER_ROUTE = "ModelInfer"
 METHOD_PREFIX = "/v2/rest/"  # how a route is named to on_refused (gRPC's "/service/Method")
@@ -102,6 +110,8 @@ class _Watched(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
         self.busy = 0  # requests of this connection in a handler now
         self.idle_since = 0.0
+        self.writing = 0  # responses of this connection being written now (after their handler)
+        self.unsent = -1  # while writing: the bytes waiting in the transport at the last check
         self.timer: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport) -> None:  # type: ignore[override]
@@ -139,17 +149,27 @@ class ConnectionWatch:
     def __init__(self, limit: int, idle_timeout_s: float) -> None:
         self.limit, self.idle_timeout_s = limit, idle_timeout_s
         self.open: dict[object, _Watched] = {}  # by transport
+        self.pending = 0  # accepted, not yet open (a TLS handshake in progress)
         self.refused = 0
+
+    def full(self) -> bool:
+        return len(self.open) + self.pending >= self.limit
+
+    def refuse(self, conn: socket.socket, plain: bool) -> None:
+        """Turn away a connection just accepted: a 503 that says why over plain HTTP (over TLS nothing can be said
+        before a handshake, which is what the limit spares), then close."""
+        self.refused += 1
+        if plain:
+            body = orjson.dumps({"error": f"the REST port has {self.limit} connections open, its limit "
+                                          f"(--http-max-connections); retry later"})
+            with contextlib.suppress(OSError):
+                conn.send(self.REFUSAL % (len(body), body))
+                conn.shutdown(socket.SHUT_WR)
+        conn.close()
 
     def opened(self, conn: _Watched) -> bool:
         assert conn.transport is not None
-        if len(self.open) >= self.limit:
-            self.refused += 1
-            body = orjson.dumps({"error": f"the REST port has {self.limit} connections open, its limit "
-                                          f"(--http-max-connections); retry later"})
-            conn.transport.write(self.REFUSAL % (len(body), body))
-            conn.transport.close()
-            return False
+        self.pending -= 1
         self.open[conn.transport] = conn
         self._arm(conn)
         return True
@@ -167,17 +187,44 @@ class ConnectionWatch:
             conn.busy += 1
 
     def end(self, transport) -> None:
+        """A request's handler ended without a response to write."""
         conn = self.open.get(transport)
         if conn is not None:
             conn.busy -= 1
-            if not conn.busy:
+            conn.idle_since = asyncio.get_running_loop().time()
+
+    def end_after(self, response: web.StreamResponse, transport) -> None:
+        """A request's handler returned ``response``: the connection is writing it (aiohttp does, after the
+        handler) until its end has been written or writing failed."""
+        conn = self.open.get(transport)
+        if conn is None:
+            return
+        conn.busy -= 1
+        conn.writing += 1
+        conn.unsent = -1
+        write_eof = response.write_eof
+
+        async def written(data: bytes = b"") -> None:
+            try:
+                await write_eof(data)
+            finally:
+                conn.writing -= 1
                 conn.idle_since = asyncio.get_running_loop().time()
+
+        response.write_eof = written  # type: ignore[method-assign]
 
     def _arm(self, conn: _Watched) -> None:
         loop = asyncio.get_running_loop()
         conn.idle_since = loop.time()
 
         def check() -> None:
+            # A response being written is not idleness while the client reads it: each bit of progress gives it
+            # another timeout; a client that stops reading is closed like an idle one.
+            if conn.writing and conn.transport is not None:
+                unsent = _unsent(conn.transport)
+                if unsent != conn.unsent:
+                    conn.unsent = unsent
+                    conn.idle_since = loop.time()
             due = conn.idle_since + self.idle_timeout_s
             if conn.busy or loop.time() < due:
                 conn.timer = loop.call_at(max(due, loop.time() + self.idle_timeout_s / 4) if conn.busy else due,
@@ -186,6 +233,17 @@ class ConnectionWatch:
                 conn.transport.close()
 
         conn.timer = loop.call_at(conn.idle_since + self.idle_timeout_s, check)
+
+
+def _unsent(transport: asyncio.BaseTransport) -> int:
+    """Bytes written to ``transport`` that the peer has not taken yet: in its buffer and, on Linux, in the kernel's
+    send queue (which is what drains as the client reads; the transport's own buffer moves only in large steps)."""
+    unsent = transport.get_write_buffer_size() if isinstance(transport, asyncio.WriteTransport) else 0
+    sock = transport.get_extra_info("socket")
+    if sock is not None and hasattr(termios, "TIOCOUTQ"):
+        with contextlib.suppress(OSError, ValueError):
+            unsent += struct.unpack("i", fcntl.ioctl(sock.fileno(), termios.TIOCOUTQ, b"\0\0\0\0"))[0]
+    return unsent
 
 
 class RestServer:
@@ -213,7 +271,10 @@ class RestServer:
         self._rpc_of: dict[web.AbstractRoute, str] = {}  # each route's name: the RPC it is the REST form of
         self._add_routes()
         self._runner: web.AppRunner | None = None
-        self._listener: asyncio.Server | None = None
+        self._listener: socket.socket | None = None
+        self._accepting: asyncio.Task[None] | None = None
+        self._connecting: set[asyncio.Task[None]] = set()
+        self._accept_warned = -ACCEPT_WARN_S
         self.connections = ConnectionWatch(settings.http_max_connections, settings.http_timeout_s)
         self.in_progress = 0  # requests in a handler (the drain waits for them too: a body may still be arriving)
 
@@ -270,18 +331,68 @@ class RestServer:
         await self._runner.setup()
         server = self._runner.server
         assert server is not None
+        bare = host.strip("[]")
+        listener = socket.socket(socket.AF_INET6 if ":" in bare else socket.AF_INET, socket.SOCK_STREAM)
+        try:
+            listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if self.shares_port:  # one of a supervisor's processes, which share its port
+                listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+            listener.bind((bare, port))
+            listener.listen(1024)
+            listener.setblocking(False)
+        except BaseException:
+            listener.close()
+            raise
+        self._listener = listener
+        self._accepting = asyncio.create_task(self._accept(listener, lambda: _Watched(server(), self.connections)))
+        return listener.getsockname()[1]
 
-        def connection() -> asyncio.Protocol:
-            return _Watched(server(), self.connections)
+    async def _accept(self, listener: socket.socket, protocol: Callable[[], asyncio.Protocol]) -> None:
+        """Accept connections while there is room (``ConnectionWatch``: connections being set up, a TLS
+        handshake among them, count as well): past --http-max-connections a newcomer is refused at once, before a
+        handshake can hold its descriptor. When the process is out of descriptors (or memory), accepting waits a
+        moment and says so once in a while, not at every try."""
+        loop = asyncio.get_running_loop()
+        watch = self.connections
+        handshake_s = min(self.settings.http_timeout_s, TLS_HANDSHAKE_S)
+        while True:
+            try:
+                conn, _ = await loop.sock_accept(listener)
+            except OSError as exc:
+                if loop.time() - self._accept_warned > ACCEPT_WARN_S:
+                    self._accept_warned = loop.time()
+                    log.warning("the REST port cannot accept connections: %s (--http-max-connections %d; the "
+                                "process's descriptors may be exhausted)", exc.strerror or exc, watch.limit)
+                await asyncio.sleep(0.05)
+                continue
+            if watch.full():
+                watch.refuse(conn, plain=self._ssl is None)
+                continue
+            watch.pending += 1
+            task = asyncio.create_task(self._connect(conn, protocol, handshake_s))
+            self._connecting.add(task)
+            task.add_done_callback(self._connecting.discard)
 
-        # aiohttp's TCPSite, with each connection watched (ConnectionWatch).
-        self._listener = await asyncio.get_running_loop().create_server(
-            connection, host.strip("[]"), port, ssl=self._ssl, reuse_port=True if self.shares_port else None,
-            backlog=1024)
-        return self._listener.sockets[0].getsockname()[1]
+    async def _connect(self, conn: socket.socket, protocol: Callable[[], asyncio.Protocol], handshake_s: float) -> None:
+        """Set a connection up (``ConnectionWatch.opened`` takes it from pending to open once its protocol runs)."""
+        try:
+            await asyncio.get_running_loop().connect_accepted_socket(
+                protocol, conn, ssl=self._ssl, ssl_handshake_timeout=handshake_s if self._ssl is not None else None)
+        except (OSError, asyncio.TimeoutError, ssl.SSLError):  # a handshake that failed or timed out
+            conn.close()
+            self.connections.pending -= 1
+        except asyncio.CancelledError:
+            conn.close()
+            self.connections.pending -= 1
+            raise
 
     async def stop(self) -> None:
         """Stop accepting connections and close them."""
+        if self._accepting is not None:
+            self._accepting.cancel()
+            self._accepting = None
+        for task in list(self._connecting):
+            task.cancel()
         if self._listener is not None:
             self._listener.close()
             self._listener = None
@@ -294,16 +405,28 @@ class RestServer:
     async def _expect(self, request: web.Request) -> web.StreamResponse | None:
         """``Expect: 100-continue``: the client waits to send its body until told to. A request that will be
         refused (no token, a body over --max-message-bytes) is refused now, so that the body is never sent."""
-        if request.headers.get("Expect", "").lower() != "100-continue":
+        expect = request.headers.get("Expect", "").lower()
+        if request.version < HttpVersion11:  # (HTTP/1.0 has no interim responses)
             return None
+        if expect != "100-continue":
+            return error_response(417, f"Expect: {shown(expect)} is not understood (only 100-continue is)")
         rpc = self._rpc_of.get(request.match_info.route)
+        method = f"{METHOD_PREFIX}{rpc or 'unknown'}"
         if self._tokens is not None and not (self.settings.open_health and rpc in OPEN_ROUTES) \
                 and not self._tokens.admits(request.headers.get("Authorization")):
+            self._on_refused(Status.UNAUTHENTICATED.name, method)
             return error_response(401, _DENIED, {"WWW-Authenticate": "Bearer", "Connection": "close"})
         length, limit = request.content_length, self.settings.max_message_bytes
+        json_limit = self.settings.max_json_bytes
+        if rpc == INFER_ROUTE and length is not None and length > json_limit \
+                and rest_codec.HEADER_LENGTH not in request.headers:  # all of it JSON
+            limit, flag = json_limit, "--max-json-bytes"
+        else:
+            flag = "--max-message-bytes"
         if length is not None and length > limit:
-            return error_response(413, _too_large(length, limit, "--max-message-bytes").message,
-                                  {"Connection": "close"})
+            if rpc == INFER_ROUTE:
+                self._refused(request, Status.RESOURCE_EXHAUSTED, 413, asyncio.get_running_loop().time())
+            return error_response(413, _too_large(length, limit, flag).message, {"Connection": "close"})
         # What aiohttp's own expect handler does: the interim response, not counted as the response's output.
         await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
         request.writer.output_size = 0
@@ -322,19 +445,27 @@ class RestServer:
         except ServingError as exc:
             return error_response(HTTP_STATUS[exc.code], exc.message, {"Connection": "close"})
         self.in_progress += 1
-        self.connections.begin(request.transport)
+        transport = request.transport
+        self.connections.begin(transport)
         try:
-            return await handler(request)
+            response = await handler(request)
         except ServingError as exc:
-            return error_response(http_status(exc), exc.message)
+            response = error_response(http_status(exc), exc.message)
         except web.HTTPException as exc:
             if exc.status < 400:
+                self.connections.end(transport)
                 raise
-            return error_response(exc.status, f"{request.method} {shown(request.path)}: {exc.reason}")
+            response = error_response(exc.status, f"{request.method} {shown(request.path)}: {exc.reason}")
+        except BaseException:
+            self.connections.end(transport)
+            raise
         finally:
             self.in_progress -= 1
-            self.connections.end(request.transport)
             self.limiter.release(call)
+        # The connection is busy until the response has been written (aiohttp writes it after this returns): a
+        # client reading a large answer slowly is not idle.
+        self.connections.end_after(response, transport)
+        return response
 
     # --- health, metadata, configuration, statistics -----------------------------
 
@@ -499,7 +630,7 @@ class RestServer:
                          flag: str = "--max-message-bytes") -> bytearray:
         """The request's body, in one buffer of its announced length (the chunks are copied in as they arrive;
         a chunked body grows its buffer). 413 over ``limit`` (``flag``'s), 415 if compressed, 408 if it sends
-        nothing for --http-timeout-s or arrives slower than MIN_BODY_BYTES_PER_S after that, 400 if short."""
+        nothing for --http-timeout-s or arrives slower than MIN_BODY_BYTES_PER_S beyond that, 400 if short."""
         limit = self.settings.max_message_bytes if limit is None else limit
         encoding = request.headers.get("Content-Encoding", "identity").strip().lower()
         if encoding != "identity":
@@ -508,16 +639,20 @@ class RestServer:
         length = request.content_length
         if length is not None and length > limit:
             raise _too_large(length, limit, flag)
-        buffer = bytearray(length or 0)
+        # The buffer grows with what arrives (memory follows bytes received, not the bytes announced).
+        buffer = bytearray()
         received = 0
         loop = asyncio.get_running_loop()
         timeout_s = self.settings.http_timeout_s
-        # A body may pause for --http-timeout-s, and must arrive at MIN_BODY_BYTES_PER_S on average beyond that:
-        # one that trickles in holds an RPC slot, which gRPC's calls count on too, for a bounded time.
-        deadline = loop.time() + timeout_s + (length or limit) / MIN_BODY_BYTES_PER_S
+        started = loop.time()
+        # A body may pause for --http-timeout-s, and beyond that must keep arriving at MIN_BODY_BYTES_PER_S on
+        # average (of the bytes received so far): one that trickles in holds an RPC slot, which gRPC's calls
+        # count on too, for a bounded time.
         while True:
+            deadline = started + timeout_s + received / MIN_BODY_BYTES_PER_S
             try:
-                chunk = await asyncio.wait_for(request.content.readany(), min(timeout_s, deadline - loop.time()))
+                chunk = await asyncio.wait_for(request.content.readany(),
+                                               max(0.0, min(timeout_s, deadline - loop.time())))
             except asyncio.TimeoutError:
                 slow = loop.time() >= deadline
                 raise HttpError(Status.DEADLINE_EXCEEDED, 408, (
@@ -527,14 +662,10 @@ class RestServer:
             if not chunk:
                 break
             end = received + len(chunk)
-            if length is None:  # chunked: grows, up to the limit
-                if end > limit:
-                    raise _too_large(end, limit, flag)
-                buffer += chunk
-            elif end > length:  # aiohttp stops at Content-Length: not reached, but never write past the buffer
-                raise invalid(f"the body is longer than its Content-Length {length}")
-            else:
-                buffer[received:end] = chunk
+            if end > (limit if length is None else length):  # (aiohttp stops at Content-Length: a safeguard)
+                raise _too_large(end, limit, flag) if length is None else invalid(
+                    f"the body is longer than its Content-Length {length}")
+            buffer += chunk
             received = end
         if length is not None and received != length:
             raise invalid(f"the body ended after {received} of its {length} bytes (Content-Length)")

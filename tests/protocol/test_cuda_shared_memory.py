@@ -287,10 +287,47 @@ def test_close_unmaps_everything_of_this_process():
     fake, reg = _registry()
     asyncio.run(reg.register("r", fake.export(64), 0, 64))
     asyncio.run(reg.register("s", fake.export(64), 0, 64))
-    reg.lease("s", 0, 64, "input")  # not released: the server is stopping
+    lease = reg.lease("s", 0, 64, "input")  # held past the stop (an execution the server no longer waits for)
     asyncio.run(reg.unregister("s"))
+    assert reg.draining == 1 and fake.mapped == 2
     reg.close()
     assert fake.mapped == 0
+    lease.release()  # after close(): nothing left to do, and no error (it raised ValueError before)
+    assert fake.mapped == 0 and fake.closes == 2
+
+
+def test_a_lease_collected_while_its_registry_is_locked_does_not_deadlock():
+    """A lease's finalizer may run on a thread inside one of the registry's own calls (a cycle collected there):
+    the lock is not reentrant, so the release is queued and done as the call lets go (it deadlocked before)."""
+    fake, reg = _registry()
+    asyncio.run(reg.register("r", fake.export(64), 0, 64))
+    lease = reg.lease("r", 0, 64, "input")
+    asyncio.run(reg.unregister("r"))
+    done = threading.Event()
+
+    def inside() -> None:
+        with reg._locked():
+            lease.release()  # as a finalizer would, while this thread holds the lock
+        done.set()
+
+    thread = threading.Thread(target=inside, daemon=True)
+    thread.start()
+    assert done.wait(10), "deadlocked"
+    assert fake.mapped == 0 and reg.draining == 0
+
+
+def test_regions_waiting_for_their_last_lease_count_against_the_limit():
+    fake, reg = _registry(max_regions=2)
+    leases = []
+    for i in range(2):
+        asyncio.run(reg.register(f"r{i}", fake.export(64), 0, 64))
+        leases.append(reg.lease(f"r{i}", 0, 64, "input"))
+        asyncio.run(reg.unregister(f"r{i}"))
+    assert _status(asyncio.run, reg.register("r9", fake.export(64), 0, 64))[0] == Status.RESOURCE_EXHAUSTED
+    for lease in leases:
+        lease.release()
+    asyncio.run(reg.register("r9", fake.export(64), 0, 64))
+    assert fake.mapped == 1
 
 
 def test_a_registration_cancelled_while_its_handle_opens_leaves_nothing_open():

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gzip
 import json
 import socket
@@ -323,6 +324,102 @@ def test_connections_that_never_finish_their_headers_are_closed_and_bounded():
         assert _request(srv, "GET", "/v2/health/live")[0] == 200
 
 
+def test_tls_connections_count_from_their_accept_and_their_handshake_is_bounded(pki):
+    """Over TLS a connection exists before its handshake: un-handshaken ones (a client that never speaks) count
+    against --http-max-connections and are dropped after the handshake timeout, so they cannot take every
+    descriptor (the watch saw them only after the handshake before, and asyncio allowed 60 s)."""
+    import ssl
+
+    with running_server(tls_cert=str(pki["server"].cert), tls_key=str(pki["server"].key), http_timeout_s=0.5,
+                        http_max_connections=3) as srv:
+        assert srv.wait_ready()
+        port = srv.server.http_port
+        silent = [socket.create_connection(("127.0.0.1", port)) for _ in range(3)]
+        try:
+            deadline = time.monotonic() + 10
+            while srv.server.rest.connections.pending < 3 and time.monotonic() < deadline:
+                time.sleep(0.01)
+            with socket.create_connection(("127.0.0.1", port)) as extra:  # past the limit: closed at once
+                extra.settimeout(5)
+                assert extra.recv(1024) == b""
+            for s in silent:  # the handshake never came: dropped after the timeout
+                s.settimeout(10)
+                assert s.recv(1024) == b""
+        finally:
+            for s in silent:
+                s.close()
+        context = ssl.create_default_context(cafile=str(pki["ca"]))
+        with urllib.request.urlopen(f"https://localhost:{port}/v2/health/live", context=context, timeout=30) as r:
+            assert r.status == 200
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def test_a_bodys_memory_and_time_follow_the_bytes_received_not_those_announced():
+    """Headers announcing 100 MB made the server allocate (and zero) 100 MB at once and gave the body 100 s
+    beyond --http-timeout-s; now memory grows with what arrives, and the time allowed with it."""
+    with running_server(http_timeout_s=0.5, max_message_bytes=128 * 1024 * 1024) as srv:
+        assert srv.wait_ready()
+        socks = []
+        before = _rss_bytes()
+        try:
+            for _ in range(4):
+                s = socket.create_connection(("127.0.0.1", srv.server.http_port))
+                s.sendall(f"POST /v2/models/{MODEL}/infer HTTP/1.1\r\nHost: x\r\nContent-Length: {100 << 20}"
+                          f"\r\n\r\n".encode() + b"{")
+                socks.append(s)
+            deadline = time.monotonic() + 10
+            while srv.server.rest.in_progress < 4 and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert _rss_bytes() - before < 100 << 20  # not 400 MB
+            started = time.monotonic()
+            for _ in range(20):  # trickling: a byte every 0.1 s
+                for s in socks:
+                    with contextlib.suppress(OSError):
+                        s.sendall(b" ")
+                time.sleep(0.1)
+                if srv.server.rest.in_progress == 0:
+                    break
+            for s in socks:
+                s.settimeout(30)
+                assert s.recv(65536).decode().startswith("HTTP/1.1 408")
+            assert time.monotonic() - started < 30
+        finally:
+            for s in socks:
+                s.close()
+
+
+def test_pipelined_responses_to_a_slow_reader_are_not_cut_by_the_idle_close():
+    """The idle close counted a connection whose responses were still being written as idle, and cut them: a
+    client reading slowly but steadily (each answer takes it longer than --http-timeout-s) lost the rest."""
+    x = np.zeros((1024, 3, 3, 3, 3), np.float32)
+    body = _infer_body(x)
+    request = (f"POST /v2/models/{MODEL}/infer HTTP/1.1\r\nHost: x\r\nContent-Length: {len(body)}\r\n\r\n"
+               .encode() + body)
+    with running_server(http_timeout_s=0.3) as srv:
+        assert srv.wait_ready()
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        sock.connect(("127.0.0.1", srv.server.http_port))
+        with sock:
+            sock.sendall(request * 10)
+            sock.settimeout(30)
+            data = b""
+            while data.count(b"HTTP/1.1 200") < 10:  # 32 KiB every 50 ms: each 330 kB answer takes ~0.5 s
+                chunk = sock.recv(32 * 1024)
+                if not chunk:
+                    break
+                data += chunk
+                time.sleep(0.05)
+        assert data.count(b"HTTP/1.1 200") == 10
+
+
 def test_compressed_bodies_are_refused_unread(server):
     x = np.zeros((1, 3, 3, 3, 3), np.float32)
     status, _, body = _request(server, "POST", f"/v2/models/{MODEL}/infer", gzip.compress(_infer_body(x)),
@@ -360,6 +457,17 @@ def test_expect_100_continue_is_refused_before_the_body_when_it_would_be(tmp_pat
             assert sock.recv(65536).decode() == "HTTP/1.1 100 Continue\r\n\r\n"
             sock.sendall(body)
             assert sock.recv(65536).decode().startswith("HTTP/1.1 200")
+        for version, expect, reply in (("HTTP/1.0", "100-continue", "HTTP/1.0 200"),  # 1.0: no interim answer
+                                       ("HTTP/1.1", "something-else", "HTTP/1.1 417")):
+            with socket.create_connection(("127.0.0.1", srv.server.http_port)) as sock:
+                sock.sendall(f"POST /v2/models/{MODEL}/infer {version}\r\nHost: x\r\nAuthorization: Bearer "
+                             f"{'t' * 32}\r\nContent-Length: {len(body)}\r\nExpect: {expect}\r\n\r\n".encode()
+                             + body)
+                sock.settimeout(30)
+                assert sock.recv(65536).decode().startswith(reply)
+        refused = srv.server.metrics.registry.get_sample_value(
+            "voxserve_requests_total", {"model": "voxnet", "code": "RESOURCE_EXHAUSTED"})
+        assert refused == 1  # the 413 told before the body is counted as every refused request is
 
 
 def test_huge_headers_get_4xx():
