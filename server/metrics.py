@@ -88,6 +88,9 @@ class NvmlCollector(Collector):
         yield from (util, used, total)
 
 
+INPUT_PATHS = ("wire", "system_shm", "cuda_shm")  # voxserve_input_bytes' paths (codec.InferInput.path)
+
+
 class ModelSeries(NamedTuple):
     """The one-model series of the metrics each request or execution updates."""
 
@@ -96,7 +99,7 @@ class ModelSeries(NamedTuple):
     compute_duration: Histogram
     batch_size: Histogram
     samples: Counter
-    input_bytes: Counter
+    input_bytes: dict[str, Counter]  # by path (INPUT_PATHS)
     inflight: Gauge
 
 
@@ -123,7 +126,9 @@ class Metrics:
                                           "Executions that failed on the device, by reason (out_of_memory, "
                                           "device_error).", ["model", "reason"], registry=r)
         self.samples = Counter("voxserve_samples", "Samples inferred successfully.", ["model"], registry=r)
-        self.input_bytes = Counter("voxserve_input_bytes", "Input tensor bytes received.", ["model"], registry=r)
+        self.input_bytes = Counter("voxserve_input_bytes", "Input tensor bytes received, by the path they took: wire "
+                                   "(in the request), system_shm (copied from a client's segment), cuda_shm (read "
+                                   "where they lie in a client's GPU memory).", ["model", "path"], registry=r)
         # multiprocess_mode: how the supervisor of --replicas combines its replicas' values
         # (server/topology/supervisor.py; ignored in a single process).
         self.inflight = Gauge("voxserve_inflight_requests", "Inference requests being served now.", ["model"],
@@ -145,7 +150,7 @@ class Metrics:
         self.series = ModelSeries(
             self.request_duration.labels(model), self.queue_duration.labels(model),
             self.compute_duration.labels(model), self.batch_size.labels(model), self.samples.labels(model),
-            self.input_bytes.labels(model), self.inflight.labels(model))
+            {path: self.input_bytes.labels(model, path) for path in INPUT_PATHS}, self.inflight.labels(model))
         self._requests_by_code: dict[str, Counter] = {}
         for reason in ("out_of_memory", "device_error"):  # present from the start, so rates and alerts see 0
             self.execution_failures.labels(model, reason)

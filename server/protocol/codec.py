@@ -53,6 +53,7 @@ class InferInput:
     datatype: str
     typed_response: bool  # the client sent typed contents: answer the same way
     output_shm: SharedMemoryRef | None = None  # write the output there instead of into the response
+    path: str = "wire"  # how its bytes came: wire, system_shm (a private copy), cuda_shm (where they lie)
 
     @property
     def samples(self) -> int:
@@ -191,10 +192,10 @@ def decode_request(request: pb.ModelInferRequest, spec: ModelSpec, shm=None,
         if shm.cuda is not None and shm.cuda.holds(input_shm.region):  # read where it lies: no copy
             array = shm.cuda.read(input_shm.region, input_shm.offset, shape, WIRE_DTYPE[datatype],
                                   f"input '{INPUT_NAME}'")
-            return InferInput(array, datatype, False, output_shm)
+            return InferInput(array, datatype, False, output_shm, "cuda_shm")
         data = shm.read(input_shm.region, input_shm.offset, expected, f"input '{INPUT_NAME}'")
         return InferInput(np.frombuffer(data, dtype=WIRE_DTYPE[datatype]).reshape(shape), datatype, False,
-                          output_shm)
+                          output_shm, "system_shm")
 
     if raw_contents:
         if typed:

@@ -321,7 +321,7 @@ class InferenceService:
                         raise
                 else:
                     decoded = codec.decode_request(request, spec, self.shm, parsed.raw)
-                m.input_bytes.inc(decoded.array.nbytes)
+                m.input_bytes[decoded.path].inc(decoded.array.nbytes)
                 decoded_ns = time.perf_counter_ns()
                 result = await runner.run(decoded.array, decoded.datatype, timeout_s)
                 returned_ns = time.perf_counter_ns()

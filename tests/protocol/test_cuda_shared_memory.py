@@ -485,6 +485,32 @@ def test_inference_reads_the_input_where_it_lies_and_writes_the_output_into_the_
         assert client.cuda_shared_memory_status() == {}
 
 
+def test_input_bytes_are_counted_by_the_path_they_took(gpu_less_cuda_server):
+    """voxserve_input_bytes_total{path}: wire, system_shm (copied from the segment), cuda_shm (read in place)."""
+    srv, fake = gpu_less_cuda_server
+    x = np.random.default_rng().standard_normal((2, 3, 4, 5, 6), dtype=np.float32)
+
+    def counted(path: str) -> float:
+        return srv.server.metrics.registry.get_sample_value("voxserve_input_bytes_total",
+                                                            {"model": "voxnet", "path": path}) or 0.0
+
+    before = {p: counted(p) for p in ("wire", "system_shm", "cuda_shm")}
+    with Client(srv.url) as client:
+        client.infer(x)
+        with SharedMemoryBuffer(f"vox_path_{uuid.uuid4().hex[:8]}", x.nbytes) as segment:
+            segment.write(x)
+            client.register_system_shared_memory("sys_path", segment.key, x.nbytes)
+            client.infer_shared_memory(x.shape, "sys_path")
+            client.infer_shared_memory(x.shape, "sys_path")
+            client.unregister_system_shared_memory("sys_path")
+        client.register_cuda_shared_memory("gpu_path", fake.export(x.tobytes()), 0, x.nbytes)
+        for _ in range(3):
+            client.infer_shared_memory(x.shape, "gpu_path")
+        client.unregister_cuda_shared_memory("gpu_path")
+    assert {p: counted(p) - before[p] for p in before} == {"wire": x.nbytes, "system_shm": 2 * x.nbytes,
+                                                           "cuda_shm": 3 * x.nbytes}
+
+
 def test_cuda_region_bounds_and_sizes_in_a_request(gpu_less_cuda_server, stub):
     srv, fake = gpu_less_cuda_server
     shape = (1, 3, 4, 4, 4)
