@@ -9,7 +9,9 @@ Scenarios (all through `voxserve.client.bench.run_level`: pre-serialised request
   3. the same batch in system shared memory (voxserve, Triton; a client on the same host);
   4. batch-1 traffic at concurrency 64: voxserve with batching, without (--no-batching), Triton, MLServer;
   5. the full batch and batch 1 over the REST form (bench/rest_load.py), the tensor as binary data (Triton's
-     extension) and as JSON numbers: voxserve's REST port, Triton's HTTP endpoint.
+     extension) and as JSON numbers: voxserve's REST port, Triton's HTTP endpoint;
+  6. on a GPU, the full batch and batch 1 in CUDA shared memory (this process's device memory, exported by CUDA
+     IPC): voxserve in process.
 With --frontends N, voxserve also runs with N gRPC front ends before its engine (rows of their own); the
 batch-1 client is --processes load processes over --connections connections, the same for every server.
 Triton (--triton: the nvidia-pytriton wheel's path, or an installed pytriton) runs voxserve's own model
@@ -44,7 +46,7 @@ import numpy as np
 from rest_load import rest_body, run_rest_level  # bench/ (this script's folder)
 from triton_peer.server import TritonUnavailable, triton_server
 
-from voxserve.client import Client, build_request
+from voxserve.client import Client, build_request, build_shm_request
 from voxserve.client.bench import LevelResult, raw_sink, run_level, run_level_processes, setup_shared_memory
 from voxserve.datatypes import to_wire
 from voxserve.testing.load import ServerProcess, free_port
@@ -134,6 +136,47 @@ def rest_rows(args, out: dict[str, list[LevelResult]], host_port: str, full: np.
         out["rest_batch1"].append(rest_level(host_port, one, binary, 64, target, d, args.processes, model=model))
 
 
+@contextlib.contextmanager
+def cuda_shared_memory(url: str, x: np.ndarray, model: str = "voxnet"):
+    """``x`` in device memory of this process (cudaMalloc'd exactly, by ctypes: the server maps the allocation
+    itself), registered as the input and an output region; yields a serialised request referencing both."""
+    import torch
+    from probes.cuda_ipc_probe import MEMCPY_HOST_TO_DEVICE, Cuda, _library_path
+
+    torch.zeros(1, device="cuda")  # loads torch's cudart, which Cuda drives
+    cuda = Cuda(_library_path("libcudart"))
+    out_bytes = 4 * x.shape[0] * 16
+    tag = f"voxbench_cuda_{os.getpid()}"
+    base = cuda.malloc(x.nbytes + out_bytes)
+    try:
+        cuda.check(cuda.memcpy(base, x.ctypes.data, x.nbytes, MEMCPY_HOST_TO_DEVICE), "cudaMemcpy")
+        with Client(url, model=model) as c:
+            c.register_cuda_shared_memory(tag, cuda.export(base), 0, x.nbytes + out_bytes)
+        try:
+            yield build_shm_request(tuple(x.shape), model, "FP32", tag, output_region=tag, output_offset=x.nbytes,
+                                    output_byte_size=out_bytes).SerializeToString()
+        finally:
+            with Client(url, model=model) as c:
+                c.unregister_cuda_shared_memory(tag)
+    finally:
+        cuda.free(base)
+
+
+def cuda_rows(args, out: dict[str, list[LevelResult]], url: str, full: np.ndarray, notes: list[str]) -> None:
+    """voxserve's CUDA shared-memory rows (in process: front ends do not offer it), or a note saying why none."""
+    d, load = args.duration, (args.processes, args.connections)
+    try:
+        with cuda_shared_memory(url, full) as payload:
+            for c in args.full_concurrency:
+                out["cuda_shm"].append(level(url, payload, args.batch, full.nbytes, c, "voxserve", d))
+        one = full[:1].copy()
+        with cuda_shared_memory(url, one) as payload:
+            out["cuda_shm_batch1"].append(level(url, payload, 1, one.nbytes, 64, "voxserve", d, *load))
+    except Exception as exc:  # no GPU, no CUDA IPC here: the other rows are still worth their report
+        traceback.print_exc()
+        notes.append(f"CUDA shared memory: no rows ({type(exc).__name__}: {str(exc).splitlines()[0]})")
+
+
 def triton_rows(args, out: dict[str, list[LevelResult]], full: np.ndarray, notes: list[str]) -> None:
     """Triton's rows in every table, or a note saying why there are none."""
     one = full[:1].copy()
@@ -183,8 +226,8 @@ def run(args, notes: list[str], checkpoint: Callable[[dict[str, list[LevelResult
     n32, n16, n1 = full.nbytes, len(to_wire(full, "FP16")), one.nbytes
     d = args.duration
     load = (args.processes, args.connections)  # the batch-1 client, the same for every server
-    out: dict[str, list[LevelResult]] = {"full": [], "fp16": [], "shm": [], "batch1": [], "rest_full": [],
-                                         "rest_batch1": []}
+    out: dict[str, list[LevelResult]] = {"full": [], "fp16": [], "shm": [], "cuda_shm": [], "batch1": [],
+                                         "cuda_shm_batch1": [], "rest_full": [], "rest_batch1": []}
     with raw_sink() as sink:
         for c in args.full_concurrency:
             out["full"].append(level(sink, fp32, args.batch, n32, c, "raw sink", d))
@@ -204,6 +247,8 @@ def run(args, notes: list[str], checkpoint: Callable[[dict[str, list[LevelResult
             cleanup()
         out["batch1"].append(level(vox.url, single, 1, n1, 64, "voxserve", d, *load))
         rest_rows(args, out, f"127.0.0.1:{vox.http_port}", full, "voxserve")
+        if args.device != "cpu":
+            cuda_rows(args, out, vox.url, full, notes)
     with ServerProcess([*serve, "--no-batching"]) as vox:
         out["batch1"].append(level(vox.url, single, 1, n1, 64, "voxserve, no batching", d, *load))
     checkpoint(out)
@@ -255,7 +300,9 @@ def render(args, out: dict[str, list[LevelResult]], device: str, seconds: float,
              *(f"- {note}" for note in notes), ""]
     titles = {"full": "Full batch, FP32 over gRPC", "fp16": "Full batch, FP16 on the wire",
               "shm": "Full batch in system shared memory", "batch1": "Batch 1 at concurrency 64",
-              "rest_full": "Full batch, FP32 over REST", "rest_batch1": "Batch 1 over REST at concurrency 64"}
+              "rest_full": "Full batch, FP32 over REST", "rest_batch1": "Batch 1 over REST at concurrency 64",
+              "cuda_shm": "Full batch in CUDA shared memory (the client's GPU memory)",
+              "cuda_shm_batch1": "Batch 1 in CUDA shared memory at concurrency 64"}
     for key, rows in out.items():
         lines += [f"## {titles[key]}", "", "| target | conc | req/s | samples/s | tensor MB/s | p50 ms | p90 ms | "
                   "p99 ms | errors |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
@@ -297,7 +344,18 @@ def render(args, out: dict[str, list[LevelResult]], device: str, seconds: float,
     lines.append(f"| vs MLServer (eager PyTorch), full batch | {ratio(best_full, mls_full)} | >= 2x |")
     lines.append(f"| vs MLServer, batch 1 at c=64 | {ratio(best_1, mls_1)} | >= 2x |")
     voxserve_targets = ("voxserve", fe) if args.frontends else ("voxserve",)
+    shm_best = max((r for r in (_best(out["shm"], t) for t in voxserve_targets) if r), key=lambda r: r.rps,
+                   default=None)
+    cuda_best, cuda_1 = _best(out["cuda_shm"], "voxserve"), _best(out["cuda_shm_batch1"], "voxserve")
+    lines.append(f"| system shared memory, full batch | {f'{shm_best.rps:.0f} req/s' if shm_best else '-'} | "
+                 ">= 1,600 req/s |")
+    lines.append(f"| CUDA shared memory, full batch | {f'{cuda_best.rps:.0f} req/s' if cuda_best else '-'} | "
+                 ">= 5,000 req/s |")
+    lines.append(f"| batch 1 at c=64: CUDA shared memory vs the wire, in process | "
+                 f"{ratio(cuda_1, b1.get('voxserve'))} | >= 3x |")
     for key in out:
+        if key.startswith("cuda"):  # (no Triton rows)
+            continue
         targets = [f"{t}, REST binary" for t in voxserve_targets] if key.startswith("rest") else voxserve_targets
         triton = f"{TRITON}, REST binary" if key.startswith("rest") else TRITON
         ours = max((r for r in (_best(out[key], t) for t in targets) if r), key=lambda r: r.rps, default=None)
