@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -16,6 +17,9 @@ from voxserve.proto import pb
 
 from ..core.devicemem import DeviceArray
 from ..core.errors import exhausted, invalid, not_found, shown, unimplemented
+
+if TYPE_CHECKING:
+    from .cudashm import Lease
 
 INPUT_NAME = "input"
 OUTPUT_NAME = "output"
@@ -54,6 +58,7 @@ class InferInput:
     typed_response: bool  # the client sent typed contents: answer the same way
     output_shm: SharedMemoryRef | None = None  # write the output there instead of into the response
     path: str = "wire"  # how its bytes came: wire, system_shm (a private copy), cuda_shm (where they lie)
+    lease: Lease | None = None  # cuda_shm: what keeps the client's memory mapped (release() when no longer read)
 
     @property
     def samples(self) -> int:
@@ -190,9 +195,9 @@ def decode_request(request: pb.ModelInferRequest, spec: ModelSpec, shm=None,
             raise invalid(f"input '{INPUT_NAME}' shape {list(shape)} of {datatype} needs {expected} bytes; "
                           f"'{SIZE_PARAM}' is {input_shm.byte_size}")
         if shm.cuda is not None and shm.cuda.holds(input_shm.region):  # read where it lies: no copy
-            array = shm.cuda.read(input_shm.region, input_shm.offset, shape, WIRE_DTYPE[datatype],
-                                  f"input '{INPUT_NAME}'")
-            return InferInput(array, datatype, False, output_shm, "cuda_shm")
+            array, lease = shm.cuda.read(input_shm.region, input_shm.offset, shape, WIRE_DTYPE[datatype],
+                                         f"input '{INPUT_NAME}'")
+            return InferInput(array, datatype, False, output_shm, "cuda_shm", lease)
         data = shm.read(input_shm.region, input_shm.offset, expected, f"input '{INPUT_NAME}'")
         return InferInput(np.frombuffer(data, dtype=WIRE_DTYPE[datatype]).reshape(shape), datatype, False,
                           output_shm, "system_shm")

@@ -209,15 +209,16 @@ class CudaSharedMemoryRegistry:
             return Lease(self, region, offset, byte_size)
 
     def read(self, name: str, offset: int, shape: tuple[int, ...], dtype: np.dtype,
-             what: str) -> np.ndarray | DeviceArray:
+             what: str) -> tuple[np.ndarray | DeviceArray, Lease]:
         """The tensor of ``shape`` and ``dtype`` at ``offset`` of region ``name``, where it lies (no copy): a
-        DeviceArray, or a numpy view for host memory. It holds its lease: the mapping stays open while the tensor,
-        or an execution reading it, is alive. Errors as ``lease``'s."""
+        DeviceArray, or a numpy view for host memory; and its lease. The tensor holds the lease: the mapping stays
+        open while the tensor, or an execution reading it, is alive, or until the lease is released (once
+        nothing reads the tensor any more). Errors as ``lease``'s."""
         nbytes = math.prod(shape) * dtype.itemsize  # exact: Python integers
         lease = self.lease(name, offset, nbytes, what)
         if lease.host:
-            return host_view(lease.address, shape, dtype, lease)
-        return DeviceArray(lease.address, shape, dtype, lease.device, lease)
+            return host_view(lease.address, shape, dtype, lease), lease
+        return DeviceArray(lease.address, shape, dtype, lease.device, lease), lease
 
     def write(self, name: str, offset: int, data: bytes, what: str) -> None:
         """Copy ``data`` to ``offset`` of region ``name`` (an output), complete when this returns. Errors as

@@ -283,6 +283,7 @@ class InferenceService:
         error = ""  # what the client is told when the code is not OK
         # When the request was decoded (and handed to the runner) and when its result came back: its stages.
         decoded_ns = returned_ns = 0
+        executing = False
         try:
             if isinstance(parsed, MalformedRequest):
                 raise parsed.error()
@@ -323,7 +324,10 @@ class InferenceService:
                     decoded = codec.decode_request(request, spec, self.shm, parsed.raw)
                 m.input_bytes[decoded.path].inc(decoded.array.nbytes)
                 decoded_ns = time.perf_counter_ns()
-                result = await runner.run(decoded.array, decoded.datatype, timeout_s)
+                waiting = runner.run(decoded.array, decoded.datatype, timeout_s)
+                executing = True  # until its answer is back, an execution may be reading the input
+                result = await waiting
+                executing = False
                 returned_ns = time.perf_counter_ns()
             except (QueueFull, DeadlineExceeded) as exc:
                 raise (runner_error(exc, self.model_name) or exc) from None
@@ -357,6 +361,11 @@ class InferenceService:
             if self._observed:
                 self._observe(call, method, parsed, code, error, decoded, result,
                               (arrived, decoded_ns, returned_ns, ended))
+            if decoded is not None and decoded.lease is not None and not executing:
+                # A tensor in a client's CUDA memory: no execution reads it any more, so its mapping may close now
+                # (a failure's traceback could keep the tensor, and its lease, alive until a collection). While an
+                # execution may (a request cancelled as it ran), the lease goes with the tensor.
+                decoded.lease.release()
             if held:
                 self._release_when_freed(decoded.array if decoded is not None else None, held)
                 decoded = None  # the frame may outlive the call (a kept traceback): hold no copy

@@ -515,6 +515,7 @@ def test_cuda_region_bounds_and_sizes_in_a_request(gpu_less_cuda_server, stub):
     srv, fake = gpu_less_cuda_server
     shape = (1, 3, 4, 4, 4)
     nbytes = 4 * 3 * 4 * 4 * 4
+    mapped = fake.mapped
     stub.CudaSharedMemoryRegister(pb.CudaSharedMemoryRegisterRequest(name="small", raw_handle=fake.export(nbytes),
                                                                      device_id=0, byte_size=nbytes))
     with Client(srv.url) as client:
@@ -528,6 +529,10 @@ def test_cuda_region_bounds_and_sizes_in_a_request(gpu_less_cuda_server, stub):
         with pytest.raises(InferenceError) as err:
             client.infer_shared_memory(shape, "absent")
         assert err.value.code == grpc.StatusCode.NOT_FOUND
+        # The request whose output could not be written read its input; its lease ended with it (a failure's
+        # traceback kept the tensor, and the client's memory mapped, until a garbage collection before).
+        client.unregister_cuda_shared_memory("small")
+        assert fake.mapped == mapped
 
 
 def test_an_unregister_while_an_execution_reads_the_region_waits_for_it(gpu_less_cuda_server, stub):
