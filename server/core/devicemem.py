@@ -88,9 +88,6 @@ class DeviceArray:
     def nbytes(self) -> int:
         return math.prod(self.shape) * self.dtype.itemsize
 
-    def __len__(self) -> int:
-        return self.shape[0]
-
     def __getitem__(self, index: slice) -> DeviceArray:
         start, stop, step = index.indices(self.shape[0])
         if step != 1:

@@ -19,9 +19,9 @@ Routes (Triton's):
   POST /v2/systemsharedmemory/region/{region}/register            body {"key", "offset", "byte_size"}
   POST /v2/systemsharedmemory[/region/{region}]/unregister
 
-Bodies are read into one buffer of their announced length (the binary tensors are then viewed in it, not
-copied), at most --max-message-bytes (413 above), and a body that stalls for --http-timeout-s, or arrives slower
-than MIN_BODY_BYTES_PER_S beyond that, is answered 408. A connection with no request in a handler for
+Bodies are read into one buffer, grown as they arrive (the binary tensors are then viewed in it, not copied), at
+most --max-message-bytes (413 above), and a body that stalls for --http-timeout-s, or arrives slower than
+MIN_BODY_BYTES_PER_S beyond that, is answered 408. A connection with no request in a handler for
 --http-timeout-s (headers that never complete, an idle keep-alive) is closed, and at most --http-max-connections
 are open (``ConnectionWatch``). Compressed bodies are refused (415) before any byte is inflated, as gRPC's are by
 default. A JSON part over --max-json-bytes is refused (413): parsing holds the interpreter and costs several times
@@ -49,6 +49,7 @@ from voxserve.proto import pb
 
 from ..core.errors import ServingError, Status, invalid, shown
 from ..settings import Settings
+from ..topology.ports import bind_address
 from . import rest_codec, security
 from .admission import ByteBudget, RpcLimiter
 from .control import ControlService
@@ -331,8 +332,8 @@ class RestServer:
         await self._runner.setup()
         server = self._runner.server
         assert server is not None
-        bare = host.strip("[]")
-        listener = socket.socket(socket.AF_INET6 if ":" in bare else socket.AF_INET, socket.SOCK_STREAM)
+        family, bare = bind_address(host)
+        listener = socket.socket(family, socket.SOCK_STREAM)
         try:
             listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             if self.shares_port:  # one of a supervisor's processes, which share its port
@@ -378,13 +379,11 @@ class RestServer:
         try:
             await asyncio.get_running_loop().connect_accepted_socket(
                 protocol, conn, ssl=self._ssl, ssl_handshake_timeout=handshake_s if self._ssl is not None else None)
-        except (OSError, asyncio.TimeoutError, ssl.SSLError):  # a handshake that failed or timed out
-            conn.close()
+        except (OSError, asyncio.TimeoutError, ssl.SSLError, asyncio.CancelledError) as exc:
+            conn.close()  # a handshake that failed or timed out, or the server stopping
             self.connections.pending -= 1
-        except asyncio.CancelledError:
-            conn.close()
-            self.connections.pending -= 1
-            raise
+            if isinstance(exc, asyncio.CancelledError):
+                raise
 
     async def stop(self) -> None:
         """Stop accepting connections and close them."""
@@ -402,6 +401,14 @@ class RestServer:
 
     # --- the edge: tokens, the RPC limit, errors ---------------------------------
 
+    def _denied(self, request: web.Request, rpc: str | None) -> bool:
+        """Whether the request lacks an accepted bearer token where one is needed (then on_refused hears of it)."""
+        if self._tokens is None or (self.settings.open_health and rpc in OPEN_ROUTES) \
+                or self._tokens.admits(request.headers.get("Authorization")):
+            return False
+        self._on_refused(Status.UNAUTHENTICATED.name, f"{METHOD_PREFIX}{rpc or 'unknown'}")
+        return True
+
     async def _expect(self, request: web.Request) -> web.StreamResponse | None:
         """``Expect: 100-continue``: the client waits to send its body until told to. A request that will be
         refused (no token, a body over --max-message-bytes) is refused now, so that the body is never sent."""
@@ -411,10 +418,7 @@ class RestServer:
         if expect != "100-continue":
             return error_response(417, f"Expect: {shown(expect)} is not understood (only 100-continue is)")
         rpc = self._rpc_of.get(request.match_info.route)
-        method = f"{METHOD_PREFIX}{rpc or 'unknown'}"
-        if self._tokens is not None and not (self.settings.open_health and rpc in OPEN_ROUTES) \
-                and not self._tokens.admits(request.headers.get("Authorization")):
-            self._on_refused(Status.UNAUTHENTICATED.name, method)
+        if self._denied(request, rpc):
             return error_response(401, _DENIED, {"WWW-Authenticate": "Bearer", "Connection": "close"})
         length, limit = request.content_length, self.settings.max_message_bytes
         json_limit = self.settings.max_json_bytes
@@ -435,11 +439,9 @@ class RestServer:
     @web.middleware
     async def _guard(self, request: web.Request, handler) -> web.StreamResponse:
         rpc = self._rpc_of.get(request.match_info.route)
-        method = f"{METHOD_PREFIX}{rpc or 'unknown'}"
-        if self._tokens is not None and not (self.settings.open_health and rpc in OPEN_ROUTES) \
-                and not self._tokens.admits(request.headers.get("Authorization")):
-            self._on_refused(Status.UNAUTHENTICATED.name, method)  # an unknown route too: no route list leaks
+        if self._denied(request, rpc):  # an unknown route too: no route list leaks
             return error_response(401, _DENIED, {"WWW-Authenticate": "Bearer"})
+        method = f"{METHOD_PREFIX}{rpc or 'unknown'}"
         try:
             call = self.limiter.admit(_peer(request), method)
         except ServingError as exc:
@@ -628,8 +630,8 @@ class RestServer:
 
     async def _read_body(self, request: web.Request, limit: int | None = None,
                          flag: str = "--max-message-bytes") -> bytearray:
-        """The request's body, in one buffer of its announced length (the chunks are copied in as they arrive;
-        a chunked body grows its buffer). 413 over ``limit`` (``flag``'s), 415 if compressed, 408 if it sends
+        """The request's body, in one buffer that grows with the chunks as they arrive (never the announced length
+        up front). 413 over ``limit`` (``flag``'s), 415 if compressed, 408 if it sends
         nothing for --http-timeout-s or arrives slower than MIN_BODY_BYTES_PER_S beyond that, 400 if short."""
         limit = self.settings.max_message_bytes if limit is None else limit
         encoding = request.headers.get("Content-Encoding", "identity").strip().lower()
