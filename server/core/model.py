@@ -231,13 +231,8 @@ class Model:
         if datatype == "BF16":  # its bits travel as uint16
             parts = [p.view(torch.bfloat16) for p in parts]
         x = parts[0] if len(parts) == 1 else torch.cat(parts)
-        t1 = time.perf_counter_ns()
-        with torch.inference_mode():
-            yd = kernels.fused_forward(x, self.weight_on_device, self.bias_on_device, self.precision)
-        t2 = time.perf_counter_ns()
-        y = yd.to("cpu")
-        t3 = time.perf_counter_ns()
-        return y.numpy(), ExecutionTimes(t1 - t0, t2 - t1, t3 - t2)
+        y, times = self._forward_timed(x, t0, time.perf_counter_ns())
+        return y.numpy(), times
 
     def run_tensor(self, x: torch.Tensor) -> tuple[torch.Tensor, ExecutionTimes]:
         """One execution of a CPU tensor, each phase timed; (N, Cout) float32 on the CPU."""
@@ -247,7 +242,11 @@ class Model:
             return torch.from_numpy(out), times
         t0 = time.perf_counter_ns()
         xd = x.to(self.device)
-        t1 = time.perf_counter_ns()
+        return self._forward_timed(xd, t0, time.perf_counter_ns())
+
+    def _forward_timed(self, xd: torch.Tensor, t0: int, t1: int) -> tuple[torch.Tensor, ExecutionTimes]:
+        """The fused op on ``xd`` (on this device since ``t1``, its input phase begun at ``t0``), the output back
+        on the CPU; each phase timed."""
         with torch.inference_mode():
             yd = kernels.fused_forward(xd, self.weight_on_device, self.bias_on_device, self.precision)
         t2 = time.perf_counter_ns()

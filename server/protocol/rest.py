@@ -117,8 +117,7 @@ class _Watched(asyncio.Protocol):
 
     def connection_made(self, transport) -> None:  # type: ignore[override]
         self.transport = transport
-        if not self.watch.opened(self):
-            return
+        self.watch.opened(self)
         self.inner.connection_made(transport)
 
     def data_received(self, data: bytes) -> None:
@@ -168,12 +167,12 @@ class ConnectionWatch:
                 conn.shutdown(socket.SHUT_WR)
         conn.close()
 
-    def opened(self, conn: _Watched) -> bool:
+    def opened(self, conn: _Watched) -> None:
+        """A connection accepted earlier is set up (after its TLS handshake): from pending to open, watched."""
         assert conn.transport is not None
         self.pending -= 1
         self.open[conn.transport] = conn
         self._arm(conn)
-        return True
 
     def closed(self, conn: _Watched) -> None:
         if self.open.get(conn.transport) is conn:
