@@ -89,10 +89,12 @@ class VoxServer:
         self._weights: Weights | None = None  # read before the ports open; None for a front end
         self._lost_task: asyncio.Task[None] | None = None
 
-    def _offer_cuda_shm(self, devices: DeviceMemory) -> None:
-        """Serve CUDA shared memory through ``devices``: its registry, the RPCs, the extension in the metadata."""
+    def _offer_cuda_shm(self, devices: DeviceMemory | CudaSharedMemoryRegistry) -> None:
+        """Serve CUDA shared memory through ``devices`` (or that registry): the registry, the RPCs, the extension in
+        the metadata."""
         shared = os.path.join(self.role.run_dir, "regions") if self.role.supervised else None
-        self.cuda_shm = CudaSharedMemoryRegistry(devices, self.settings.max_cuda_shm_regions, self.shm, shared)
+        self.cuda_shm = devices if isinstance(devices, CudaSharedMemoryRegistry) else \
+            CudaSharedMemoryRegistry(devices, self.settings.max_cuda_shm_regions, self.shm, shared)
         self.shm.cuda = self.control.cuda_shm = self.cuda_shm
 
     def _count_refused(self, code: str, method: str) -> None:
@@ -152,9 +154,16 @@ class VoxServer:
             self.state.spec = ModelSpec(s.model_name, s.model_version, cin, cout, k, s.max_request_samples,
                                         s.max_request_voxels)
             self.state.device, self.state.kernel = devices, kernel
-            # A server whose model runs on CUDA offers CUDA shared memory (the kernel library opens the handles). A
-            # front end does not: its engines would have to hold the mappings.
-            if self.cuda_shm is None and self.role.kind != FRONTEND and devices.startswith("cuda"):
+            # A server whose model runs on CUDA offers CUDA shared memory (the kernel library opens the handles); a
+            # front end, when its engines do (they hold the mappings).
+            if self.cuda_shm is None and self.role.kind == FRONTEND:
+                from .topology.remote import EngineCudaSharedMemory, RemoteRunner
+
+                assert isinstance(opened.executor, RemoteRunner)
+                if opened.executor.cuda_devices > 0:
+                    self._offer_cuda_shm(EngineCudaSharedMemory(
+                        opened.executor, s.max_cuda_shm_regions, self.shm, os.path.join(self.role.run_dir, "regions")))
+            elif self.cuda_shm is None and devices.startswith("cuda"):
                 from voxserve.kernels import cuda as cuda_kernels
 
                 if cuda_kernels.load_problem() is None:
@@ -259,7 +268,8 @@ def serve(settings: Settings) -> int:
     if role.kind == ENGINE:
         from .topology.engine import run_engine  # (the model, torch and the devices: only in the engine)
 
-        return run_engine(settings, role.engine_socket, int(role.name or "0"), os.path.join(role.run_dir, "stats"))
+        return run_engine(settings, role.engine_socket, int(role.name or "0"), os.path.join(role.run_dir, "stats"),
+                          os.path.join(role.run_dir, "regions"))
     if settings.tracing:  # once, before any process starts: the missing package named in one line
         try:
             tracing.check_available()

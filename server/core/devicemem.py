@@ -106,6 +106,23 @@ class DeviceArray:
                 "strides": None}
 
 
+@dataclass(frozen=True)
+class RegionTensor:
+    """A request's tensor where it lies in a client's CUDA region, known by the region's name rather than by an
+    address: a front end's (its engine maps the region and reads the tensor there); ``device_id``: the device the
+    region was registered on."""
+
+    region: str
+    offset: int
+    shape: tuple[int, ...]
+    dtype: np.dtype
+    device_id: int
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize
+
+
 def host_view(address: int, shape: tuple[int, ...], dtype: np.dtype, keep: Any) -> np.ndarray:
     """A numpy view of ``shape`` at ``address`` in this process's memory (a host mapping), keeping ``keep`` (its
     lease) alive as long as the view or any view of it is."""

@@ -14,7 +14,7 @@ from typing import Protocol
 import numpy as np
 
 from .batching import BatchingConfig, BatchResult
-from .devicemem import DeviceArray
+from .devicemem import DeviceArray, RegionTensor
 from .errors import ServingError
 
 
@@ -25,10 +25,11 @@ class Executor(Protocol):
     def admit(self) -> None:
         """Refuse (QueueFull) before the request is decoded when there is no room for it."""
 
-    def run(self, array: np.ndarray | DeviceArray, datatype: str, timeout_s: float | None) -> Awaitable[BatchResult]:
+    def run(self, array: np.ndarray | DeviceArray | RegionTensor, datatype: str,
+            timeout_s: float | None) -> Awaitable[BatchResult]:
         """(N, Cin, D, H, W) of a wire datatype -> (N, Cout) float32, batched with others; raises ServingError,
-        QueueFull or DeadlineExceeded. A DeviceArray (a tensor in a client's CUDA memory) only where the server
-        offers CUDA shared memory: in the model's own process."""
+        QueueFull or DeadlineExceeded. A tensor in a client's CUDA memory only where the server offers CUDA shared
+        memory: in the model's process a DeviceArray (its address), in a front end a RegionTensor (its region)."""
 
     def lost_error(self) -> ServingError:
         """The error for requests while ``device_lost`` is set."""

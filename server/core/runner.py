@@ -22,7 +22,7 @@ import torch
 
 from ..metrics import Metrics
 from .batching import BatchingConfig, BatchResult, DynamicBatcher, Tensor
-from .devicemem import DeviceArray
+from .devicemem import DeviceArray, RegionTensor
 from .errors import ServingError, Status
 from .model import ExecutionTimes, Model
 from .pipeline import PARALLEL_COPY_BYTES, CompletionWatcher
@@ -125,10 +125,12 @@ class Runner:
         """QueueFull when no further request may queue (checked before a request is decoded)."""
         self.batcher.admit()
 
-    def run(self, arr: np.ndarray | DeviceArray, datatype: str,
+    def run(self, arr: np.ndarray | DeviceArray | RegionTensor, datatype: str,
             timeout_s: float | None = None) -> Awaitable[BatchResult]:
         """Infer one request's (N, Cin, D, H, W) wire-typed array (raises QueueFull, DeadlineExceeded). The future
         itself, awaited by the caller: no frame of this method keeps the array (a failure's traceback would)."""
+        if isinstance(arr, RegionTensor):  # a front end's: the model's process knows CUDA tensors by address
+            raise ServingError(Status.INTERNAL, "a tensor known only by its region reached the model's process")
         return self.enqueue(arr, datatype, timeout_s)
 
     def enqueue(self, arr: np.ndarray | DeviceArray, datatype: str, timeout_s: float | None = None) -> asyncio.Future:

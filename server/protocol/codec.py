@@ -15,7 +15,7 @@ import numpy as np
 from voxserve.datatypes import INPUT_DATATYPES, ITEMSIZE, WIRE_DTYPE
 from voxserve.proto import pb
 
-from ..core.devicemem import DeviceArray
+from ..core.devicemem import DeviceArray, RegionTensor
 from ..core.errors import exhausted, invalid, not_found, shown, unimplemented
 
 if TYPE_CHECKING:
@@ -53,7 +53,7 @@ class SharedMemoryRef:
 
 @dataclass(frozen=True)
 class InferInput:
-    array: np.ndarray | DeviceArray  # wire-typed view (N, Cin, D, H, W); BF16 as uint16 bits
+    array: np.ndarray | DeviceArray | RegionTensor  # wire-typed view (N, Cin, D, H, W); BF16 as uint16 bits
     datatype: str
     typed_response: bool  # the client sent typed contents: answer the same way
     output_shm: SharedMemoryRef | None = None  # write the output there instead of into the response
@@ -231,17 +231,26 @@ def decode_request(request: pb.ModelInferRequest, spec: ModelSpec, shm=None,
     return InferInput(np.asarray(values, dtype=np.float32).reshape(shape), datatype, True, output_shm)
 
 
+async def store_output(ref: SharedMemoryRef, output: np.ndarray, shm) -> None:
+    """Write the FP32 (N, Cout) output into the shared-memory region the request named (before the response that
+    says it is there): a system region's bytes here, a CUDA region's by its registry (which, in a front end, asks
+    the engine that maps it)."""
+    data = np.ascontiguousarray(output, dtype="<f4").tobytes()
+    if shm.cuda is not None and shm.cuda.holds(ref.region):
+        await shm.cuda.store(ref.region, ref.offset, data, f"output '{OUTPUT_NAME}'")
+    else:
+        shm.write(ref.region, ref.offset, data, f"output '{OUTPUT_NAME}'")
+
+
 def encode_response(request: pb.ModelInferRequest, spec: ModelSpec, output: np.ndarray,
-                    decoded: InferInput, shm=None) -> pb.ModelInferResponse:
-    """Build the response: FP32 (N, Cout) in raw_output_contents, typed if the request was typed, or written
-    to the requested shared-memory region (then the response carries only the tensor's description)."""
+                    decoded: InferInput) -> pb.ModelInferResponse:
+    """Build the response: FP32 (N, Cout) in raw_output_contents, typed if the request was typed, or only the
+    tensor's description when it went to the requested shared-memory region (``store_output``, done first)."""
     response = pb.ModelInferResponse(model_name=spec.name, model_version=spec.version, id=request.id)
     tensor = response.outputs.add(name=OUTPUT_NAME, datatype="FP32", shape=list(output.shape))
     out = np.ascontiguousarray(output, dtype="<f4")
     if decoded.output_shm is not None:
         ref = decoded.output_shm
-        cuda = shm.cuda if shm.cuda is not None and shm.cuda.holds(ref.region) else None
-        (cuda or shm).write(ref.region, ref.offset, out.tobytes(), f"output '{OUTPUT_NAME}'")
         tensor.parameters[REGION_PARAM].string_param = ref.region
         tensor.parameters[SIZE_PARAM].int64_param = out.nbytes
     elif decoded.typed_response:

@@ -144,8 +144,8 @@ class ControlService:
 
     def _cuda(self) -> CudaSharedMemoryRegistry:
         if self.cuda_shm is None:
-            raise unimplemented("this server does not offer CUDA shared memory: no process of it that answers RPCs "
-                                "runs the model on a CUDA device (a CPU server, or a front end of --frontends)")
+            raise unimplemented("this server does not offer CUDA shared memory: its model does not run on a CUDA "
+                                "device with the kernel library")
         return self.cuda_shm
 
     def _check_model(self, name: str, version: str, reveal: bool = True) -> ModelSpec | None:

@@ -39,7 +39,15 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..core.devicemem import HANDLE_BYTES, DeviceArray, DeviceMemory, DeviceMemoryError, Mapping, host_view
+from ..core.devicemem import (
+    HANDLE_BYTES,
+    DeviceArray,
+    DeviceMemory,
+    DeviceMemoryError,
+    Mapping,
+    RegionTensor,
+    host_view,
+)
 from ..core.errors import ServingError, Status, exhausted, invalid, not_found, shown
 from .shm import _NAME, SharedMemoryRegistry, sync_all
 
@@ -113,22 +121,7 @@ class CudaSharedMemoryRegistry:
         INVALID_ARGUMENT for a bad name, handle length, size or device, for a handle that does not open and for a
         ``byte_size`` beyond the allocation; ALREADY_EXISTS for a name taken by either kind of region;
         RESOURCE_EXHAUSTED past ``max_regions``."""
-        if not _NAME.fullmatch(name):
-            raise invalid(f"region name {shown(name)!r} must be 1-128 letters, digits, '_', '-' or '.'")
-        if len(raw_handle) != HANDLE_BYTES:
-            raise invalid(f"region {name!r}: raw_handle is {len(raw_handle)} bytes; a CUDA IPC handle "
-                          f"(cudaIpcGetMemHandle) is {HANDLE_BYTES} raw bytes (not base64)")
-        if byte_size <= 0:
-            raise invalid(f"region {name!r}: byte_size {byte_size} must be > 0")
-        count = self.devices.device_count()
-        if not 0 <= device_id < count:
-            raise invalid(f"region {name!r}: device_id {device_id} is not a device of this server "
-                          f"(it sees {count} CUDA device{'s' if count != 1 else ''}: 0..{count - 1})")
-        # The other kind first, outside this registry's lock (the system registry asks ``holds`` under its own);
-        # both run on the event loop's thread, so nothing registers in between.
-        if self._system_holds(name):
-            raise ServingError(Status.ALREADY_EXISTS, f"region {name!r} is already registered (as system shared "
-                                                      f"memory)")
+        self.check_new(name, raw_handle, device_id, byte_size)
         with self._locked():
             self._sync_all()
             if name in self._regions or name in self._pending:
@@ -156,6 +149,26 @@ class CudaSharedMemoryRegistry:
         finally:
             with self._locked():
                 self._pending.discard(name)
+
+    def check_new(self, name: str, raw_handle: bytes, device_id: int, byte_size: int) -> None:
+        """What a registration can be refused for before its handle is opened (``register``'s errors but the
+        handle's, the extent's and the limit's)."""
+        if not _NAME.fullmatch(name):
+            raise invalid(f"region name {shown(name)!r} must be 1-128 letters, digits, '_', '-' or '.'")
+        if len(raw_handle) != HANDLE_BYTES:
+            raise invalid(f"region {name!r}: raw_handle is {len(raw_handle)} bytes; a CUDA IPC handle "
+                          f"(cudaIpcGetMemHandle) is {HANDLE_BYTES} raw bytes (not base64)")
+        if byte_size <= 0:
+            raise invalid(f"region {name!r}: byte_size {byte_size} must be > 0")
+        count = self.devices.device_count()
+        if not 0 <= device_id < count:
+            raise invalid(f"region {name!r}: device_id {device_id} is not a device of this server "
+                          f"(it sees {count} CUDA device{'s' if count != 1 else ''}: 0..{count - 1})")
+        # The other kind first, outside this registry's lock (the system registry asks ``holds`` under its own);
+        # both run on the event loop's thread, so nothing registers in between.
+        if self._system_holds(name):
+            raise ServingError(Status.ALREADY_EXISTS, f"region {name!r} is already registered (as system shared "
+                                                      f"memory)")
 
     def _system_holds(self, name: str) -> bool:
         if self.system is None:
@@ -197,19 +210,24 @@ class CudaSharedMemoryRegistry:
         in a replica that did not register the region, its handle is opened here first (a blocking CUDA call:
         call this off the event loop)."""
         with self._locked():
-            region = self._sync(name)
-            if region is None:
-                raise not_found(f"{what}: CUDA shared-memory region {shown(name)!r} is not registered")
-            if offset < 0 or byte_size < 0 or offset + byte_size > region.byte_size:
-                raise invalid(f"{what}: offset {offset} + byte_size {byte_size} is outside CUDA shared-memory "
-                              f"region {name!r} ({region.byte_size} bytes)")
+            region = self._slice(name, offset, byte_size, what)
             if region.mapping is None:
                 region.mapping = self._open_here(region, what)
             region.in_use += 1
             return Lease(self, region, offset, byte_size)
 
+    def _slice(self, name: str, offset: int, byte_size: int, what: str) -> CudaRegion:
+        """Region ``name`` once ``byte_size`` bytes at ``offset`` lie inside it (under the lock)."""
+        region = self._sync(name)
+        if region is None:
+            raise not_found(f"{what}: CUDA shared-memory region {shown(name)!r} is not registered")
+        if offset < 0 or byte_size < 0 or offset + byte_size > region.byte_size:
+            raise invalid(f"{what}: offset {offset} + byte_size {byte_size} is outside CUDA shared-memory "
+                          f"region {name!r} ({region.byte_size} bytes)")
+        return region
+
     def read(self, name: str, offset: int, shape: tuple[int, ...], dtype: np.dtype,
-             what: str) -> tuple[np.ndarray | DeviceArray, Lease]:
+             what: str) -> tuple[np.ndarray | DeviceArray | RegionTensor, Lease | None]:
         """The tensor of ``shape`` and ``dtype`` at ``offset`` of region ``name``, where it lies (no copy): a
         DeviceArray, or a numpy view for host memory; and its lease. The tensor holds the lease: the mapping stays
         open while the tensor, or an execution reading it, is alive, or until the lease is released (once
@@ -232,6 +250,10 @@ class CudaSharedMemoryRegistry:
                                                 f"region {shown(name)!r} ({exc.cuda_error or exc.reason})") from None
         finally:
             lease.release()
+
+    async def store(self, name: str, offset: int, data: bytes, what: str) -> None:
+        """``write``, for the inference path (a front end's registry sends it to the engine instead)."""
+        self.write(name, offset, data, what)
 
     def _open_here(self, region: CudaRegion, what: str) -> Mapping:
         """Open a region registered by another replica (under the lock: one open per region and process)."""

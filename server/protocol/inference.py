@@ -336,7 +336,9 @@ class InferenceService:
                 # Too late for the client, which stops waiting before the server's deadline (see DEADLINE_SLACK_S):
                 # say so rather than send what nobody reads.
                 raise ServingError(Status.DEADLINE_EXCEEDED, "the request's deadline passed while it ran")
-            response = codec.encode_response(request, spec, result.output, decoded, self.shm)
+            if decoded.output_shm is not None:
+                await codec.store_output(decoded.output_shm, result.output, self.shm)
+            response = codec.encode_response(request, spec, result.output, decoded)
             elapsed = time.perf_counter_ns() - arrived
             self.state.stats.record_success(decoded.samples, elapsed, result.queue_ns)
             m.samples.inc(decoded.samples)

@@ -17,6 +17,7 @@ until every front end has drained and hung up (or the grace period plus a margin
 from __future__ import annotations
 
 import asyncio
+import base64
 import logging
 import math
 import mmap
@@ -31,12 +32,14 @@ from voxserve.datatypes import INPUT_DATATYPES, ITEMSIZE, WIRE_DTYPE
 from .. import eventloop, logs
 from ..core import pipeline
 from ..core.batching import BatchingConfig, BatchResult
+from ..core.devicemem import CudaDeviceMemory, DeviceArray, DeviceMemory, RegionTensor
 from ..core.errors import ServingError, Status, internal, runner_error
 from ..core.heap import freeze_startup_objects
 from ..core.inprocess import build_models, load_weights
 from ..core.runner import Runner
 from ..core.stats import ModelStats
 from ..metrics import Metrics, latency_buckets
+from ..protocol.cudashm import CudaSharedMemoryRegistry, Lease
 from ..settings import Settings
 from . import ipc
 
@@ -48,7 +51,8 @@ DRAIN_MARGIN_S = 5.0
 
 class Engine:
     def __init__(self, settings: Settings, socket_path: str, index: int = 0,
-                 stats_dir: str | None = None) -> None:
+                 stats_dir: str | None = None, regions_dir: str | None = None,
+                 device_memory: DeviceMemory | None = None) -> None:
         self.settings = settings
         self.socket_path = socket_path
         self.index = index
@@ -61,6 +65,10 @@ class Engine:
         self._connections: set[asyncio.Task] = set()
         self._lost: str | None = None
         self._pinned: list[np.ndarray] = []  # page-locked arenas
+        self.regions_dir = regions_dir  # the supervisor's shared registry of regions (system and CUDA)
+        self.cuda_shm: CudaSharedMemoryRegistry | None = None  # the clients' CUDA regions, mapped here
+        self._device_memory = device_memory  # their device layer instead of the CUDA devices' (tests give a fake)
+        self._controls: set[asyncio.Task] = set()
 
     def load(self) -> None:
         """Weights, models, warm-up (blocking; before anything listens)."""
@@ -68,8 +76,19 @@ class Engine:
         self._models = build_models(s, load_weights(s, self.metrics), self.metrics)
         model = self._models[0]
         devices = ",".join(str(m.device) for m in self._models)
+        memory = self._device_memory
+        if memory is None and any(m.device.type == "cuda" for m in self._models):
+            from voxserve.kernels import cuda as cuda_kernels
+
+            if cuda_kernels.load_problem() is None:  # the kernel library opens the handles
+                memory = CudaDeviceMemory()
+        if memory is not None and self.regions_dir is not None:
+            # The regions' records are shared with the front ends (names, bounds, one namespace with system
+            # regions); the mappings are this process's.
+            self.cuda_shm = CudaSharedMemoryRegistry(memory, s.max_cuda_shm_regions, shared_dir=self.regions_dir)
         self.hello = {"engine": self.index, "cin": model.cin, "cout": model.cout, "k": model.k,
-                      "device": devices, "kernel": model.kernel, "pid": os.getpid()}
+                      "device": devices, "kernel": model.kernel, "pid": os.getpid(),
+                      "cuda_devices": self.cuda_shm.devices.device_count() if self.cuda_shm is not None else 0}
         self.metrics.set_build(devices, model.kernel)
 
     async def serve(self, stop: asyncio.Event) -> int:
@@ -99,6 +118,8 @@ class Engine:
         for task in self._connections:
             task.cancel()
         await self.runner.close()
+        if self.cuda_shm is not None:
+            self.cuda_shm.close()
         if publish is not None:
             publish.cancel()
             self.stats.publish()
@@ -174,7 +195,6 @@ class Engine:
                         pending: dict[int, asyncio.Future]) -> None:
         """Read request records as they come (every whole one in a read at once) until the front end hangs up."""
         outbox = ipc.Outbox(writer)
-        size = ipc.REQUEST.size
         buffer = b""
         while True:
             try:
@@ -184,45 +204,94 @@ class Engine:
             if not data:
                 return
             buffer = buffer + data if buffer else data
-            whole = len(buffer) - len(buffer) % size
-            for record in ipc.REQUEST.iter_unpack(memoryview(buffer)[:whole]):
-                self._request(record, arena, pending, outbox)
-            buffer = buffer[whole:]
+            records, used = ipc.requests(buffer)
+            for record, trailer in records:
+                self._request(record, trailer, arena, pending, outbox)
+            buffer = buffer[used:]
 
-    def _request(self, record: tuple, arena: np.ndarray, pending: dict[int, asyncio.Future],
+    def _request(self, record: tuple, trailer: bytes, arena: np.ndarray, pending: dict[int, asyncio.Future],
                  outbox: ipc.Outbox) -> None:
-        kind, dtype, req_id, offset, nbytes, deadline, *shape = record
+        kind, dtype, _trailer_bytes, req_id, offset, nbytes, deadline, *shape = record
         if kind == ipc.CANCEL:
             future = pending.get(req_id)
             if future is not None:
                 future.cancel()
             return
+        if kind == ipc.CONTROL:
+            task = asyncio.create_task(self._control(req_id, trailer, outbox))
+            self._controls.add(task)
+            task.add_done_callback(self._controls.discard)
+            return
         model_name = self.settings.model_name
+        lease = None
         try:
             datatype = INPUT_DATATYPES[dtype]
             count = math.prod(shape)
-            if kind != ipc.INFER or count * ITEMSIZE[datatype] != nbytes or offset + nbytes > len(arena):
+            if count * ITEMSIZE[datatype] != nbytes:
                 raise ServingError(Status.INTERNAL, f"malformed request record {kind, shape, nbytes}")
-            array = arena[offset : offset + nbytes].view(WIRE_DTYPE[datatype]).reshape(shape)
+            array: np.ndarray | DeviceArray
+            if kind == ipc.INFER_REGION:  # in a client's CUDA region: read where it lies, held by its lease
+                if self.cuda_shm is None:
+                    raise ServingError(Status.UNIMPLEMENTED, "this engine offers no CUDA shared memory")
+                tensor, lease = self.cuda_shm.read(trailer.decode(), offset, tuple(shape), WIRE_DTYPE[datatype],
+                                                   "the request's input")
+                assert not isinstance(tensor, RegionTensor)  # this registry maps its regions: an address
+                array = tensor
+            elif kind == ipc.INFER and offset + nbytes <= len(arena):
+                array = arena[offset : offset + nbytes].view(WIRE_DTYPE[datatype]).reshape(shape)
+            else:
+                raise ServingError(Status.INTERNAL, f"malformed request record {kind, shape, nbytes}")
             assert self.runner is not None  # serving: the runner exists
             future = self.runner.enqueue(array, datatype, ipc.timeout_of(deadline))
+            del array
         except Exception as exc:
+            if lease is not None:
+                lease.release()
             outbox.put(_error_reply(req_id, exc, model_name))
             return
         pending[req_id] = future
-        future.add_done_callback(_Reply(outbox, pending, req_id, model_name))
+        future.add_done_callback(_Reply(outbox, pending, req_id, model_name, lease))
+
+    async def _control(self, req_id: int, trailer: bytes, outbox: ipc.Outbox) -> None:
+        """A front end's operation on the CUDA regions (remote.EngineCudaSharedMemory), answered with its result
+        or its error."""
+        try:
+            if self.cuda_shm is None:
+                raise ServingError(Status.UNIMPLEMENTED, "this engine offers no CUDA shared memory")
+            operation, data = ipc.parse_control(trailer)
+            op, name = operation["op"], str(operation["name"])
+            if op == "register":
+                await self.cuda_shm.register(name, base64.b64decode(operation["handle"]),
+                                             int(operation["device_id"]), int(operation["byte_size"]))
+            elif op == "unregister":
+                await self.cuda_shm.unregister(name)
+            elif op == "forget":  # unregistered by another engine: drop this one's mapping, if any
+                self.cuda_shm.status("")
+            elif op == "write":
+                self.cuda_shm.write(name, int(operation["offset"]), data, str(operation["what"]))
+            else:
+                raise ServingError(Status.INTERNAL, f"unknown operation {op!r}")
+        except Exception as exc:
+            outbox.put(_error_reply(req_id, exc, self.settings.model_name))
+            return
+        outbox.put(ipc.REPLY.pack(ipc.OK, 0, 0, req_id, 0, 0))
 
 
 class _Reply:
     """The done-callback of one request's future: its reply record."""
 
-    __slots__ = ("model_name", "outbox", "pending", "req_id")
+    __slots__ = ("lease", "model_name", "outbox", "pending", "req_id")
 
-    def __init__(self, outbox: ipc.Outbox, pending: dict, req_id: int, model_name: str) -> None:
+    def __init__(self, outbox: ipc.Outbox, pending: dict, req_id: int, model_name: str, lease: Lease | None) -> None:
         self.outbox, self.pending, self.req_id, self.model_name = outbox, pending, req_id, model_name
+        self.lease = lease  # a CUDA region's input: released once no execution reads it
 
     def __call__(self, future: asyncio.Future) -> None:
         self.pending.pop(self.req_id, None)
+        if self.lease is not None and not future.cancelled():
+            # Answered: its execution is over. Cancelled, it may still run: the lease goes with its tensor.
+            self.lease.release()
+        self.lease = None
         if future.cancelled():
             self.outbox.put(_error_reply(self.req_id, ServingError(Status.CANCELLED, "cancelled"),
                                          self.model_name))
@@ -245,10 +314,11 @@ def _error_reply(req_id: int, exc: BaseException, model_name: str) -> bytes:
     return ipc.REPLY.pack(ipc.ERROR, error.code.value, len(message), req_id, 0, 0) + message
 
 
-def run_engine(settings: Settings, socket_path: str, index: int, stats_dir: str | None) -> int:
+def run_engine(settings: Settings, socket_path: str, index: int, stats_dir: str | None,
+               regions_dir: str | None = None) -> int:
     """The engine process's main: load, serve until SIGTERM/SIGINT and the front ends' drain."""
     logs.configure(settings.log_level, settings.log_format)
-    engine = Engine(settings, socket_path, index, stats_dir)
+    engine = Engine(settings, socket_path, index, stats_dir, regions_dir)
     try:
         engine.load()
     except Exception as exc:

@@ -27,10 +27,12 @@ from collections import OrderedDict
 
 import numpy as np
 
-# kind, datatype, 2 pad, 4 pad, request id, arena offset, byte count, deadline (time.monotonic(); NaN: none),
-# shape (N, Cin, D, H, W)
-REQUEST = struct.Struct("<BB6xQQQd5Q")
-INFER, CANCEL = 1, 2
+# kind, datatype, 2 pad, bytes that follow the record, request id, offset (in the arena; INFER_REGION: in the
+# region), byte count, deadline (time.monotonic(); NaN: none), shape (N, Cin, D, H, W)
+REQUEST = struct.Struct("<BB2xIQQQd5Q")
+# INFER: the tensor is in the front end's arena. INFER_REGION: in a client's CUDA shared-memory region, whose name
+# follows the record. CONTROL: an operation on the CUDA regions (``control_payload`` follows). CANCEL: forget one.
+INFER, CANCEL, INFER_REGION, CONTROL = 1, 2, 3, 4
 # kind, status code value (core.errors.Status), 2 pad, payload bytes, request id, queue ns, samples of its execution
 REPLY = struct.Struct("<BB2xIQQQ")
 OK, ERROR = 1, 2
@@ -163,6 +165,31 @@ def replies(buffer: bytearray) -> tuple[list[tuple[tuple, bytes]], int]:
         out.append((header, bytes(buffer[pos + size : end])))
         pos = end
     return out, pos
+
+
+def requests(buffer: bytes) -> tuple[list[tuple[tuple, bytes]], int]:
+    """The whole request records at the start of ``buffer``: [(fields, the bytes that follow it)], and the bytes
+    they span."""
+    out, pos, size, view = [], 0, REQUEST.size, memoryview(buffer)
+    while len(buffer) - pos >= size:
+        fields = REQUEST.unpack_from(buffer, pos)
+        end = pos + size + fields[2]
+        if end > len(buffer):
+            break
+        out.append((fields, bytes(view[pos + size : end]) if fields[2] else b""))
+        pos = end
+    return out, pos
+
+
+def control_payload(operation: dict, data: bytes = b"") -> bytes:
+    """A CONTROL record's trailer: the operation as length-prefixed JSON, then its bytes (an output to write)."""
+    body = json.dumps(operation).encode()
+    return HELLO_LENGTH.pack(len(body)) + body + data
+
+
+def parse_control(payload: bytes) -> tuple[dict, bytes]:
+    (length,) = HELLO_LENGTH.unpack_from(payload)
+    return json.loads(payload[HELLO_LENGTH.size : HELLO_LENGTH.size + length]), payload[HELLO_LENGTH.size + length:]
 
 
 def deadline_of(timeout_s: float | None) -> float:

@@ -6,13 +6,19 @@ for the reply (ipc.py, engine.py). Batching, deadlines in the queue and executio
 limits hold per front end here and per engine there. A cancelled request is cancelled in the engine too, and
 its arena space stays reserved until the engine has answered, so it is never reused while the engine may
 still read it.
+
+A tensor in a client's CUDA shared memory does not pass through the arena: it is a ``RegionTensor`` (region name,
+offset), sent to the engine on the region's device, which maps the region (``EngineCudaSharedMemory``, below).
 """
 
 from __future__ import annotations
 
 import asyncio
+import base64
 import itertools
+import json
 import logging
+import math
 import socket
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -22,11 +28,15 @@ import numpy as np
 from voxserve.datatypes import INPUT_DATATYPES
 
 from ..core.batching import BatchingConfig, BatchResult, QueueFull
-from ..core.devicemem import DeviceArray
+from ..core.devicemem import DeviceArray, DeviceMemoryError, Mapping, RegionTensor
 from ..core.errors import ServingError, Status, exhausted
+from ..protocol.cudashm import CudaSharedMemoryRegistry
+from ..protocol.shm import SharedMemoryRegistry
 from . import ipc
 
 log = logging.getLogger(__name__)
+
+_CONTROL = object()  # a pending entry's "bytes" for a CONTROL record: its answer is the engine's JSON
 
 
 @dataclass
@@ -109,15 +119,35 @@ class RemoteRunner:
         return ServingError(Status.UNAVAILABLE, f"the engine(s) on {', '.join(self.devices)} stopped "
                             f"({self.device_lost}); this replica must be restarted, retry on another")
 
-    async def run(self, arr: np.ndarray | DeviceArray, datatype: str, timeout_s: float | None = None) -> BatchResult:
-        """Infer one request's (N, Cin, D, H, W) wire-typed array in an engine (a front end offers no CUDA shared
-        memory: its engines hold no mappings)."""
-        if not isinstance(arr, np.ndarray):
-            raise ServingError(Status.UNIMPLEMENTED, "CUDA shared memory is not offered through front ends")
+    @property
+    def cuda_devices(self) -> int:
+        """The CUDA devices the engines can open clients' memory on (0: they offer no CUDA shared memory)."""
+        return min(int(link.hello.get("cuda_devices", 0)) for link in self.links)
+
+    def _live(self) -> list[EngineLink]:
         live = [link for link in self.links if link.lost is None]
         if not live:
             raise self.lost_error()
-        link = min(live, key=lambda lk: len(lk.pending))
+        return live
+
+    def engine_for(self, device_id: int) -> EngineLink:
+        """The engine that executes on CUDA device ``device_id`` (it maps the regions there), else the least busy."""
+        live = self._live()
+        place = f"cuda:{device_id}"
+        return next((lk for lk in live if place in lk.hello["device"].split(",")),
+                    min(live, key=lambda lk: len(lk.pending)))
+
+    async def run(self, arr: np.ndarray | DeviceArray | RegionTensor, datatype: str,
+                  timeout_s: float | None = None) -> BatchResult:
+        """Infer one request's (N, Cin, D, H, W) wire-typed array in an engine: from the arena, or where it lies in
+        a client's CUDA region (a RegionTensor: the engine on its device reads it there)."""
+        if isinstance(arr, RegionTensor):
+            name = arr.region.encode()
+            return await self._send(self.engine_for(arr.device_id), ipc.INFER_REGION, datatype, arr.offset,
+                                    arr.nbytes, arr.shape, timeout_s, arr, name)
+        if not isinstance(arr, np.ndarray):
+            raise ServingError(Status.INTERNAL, f"a front end cannot send a {type(arr).__name__} to its engines")
+        link = min(self._live(), key=lambda lk: len(lk.pending))
         if arr.nbytes <= self.arena.largest or self.arena.offset_of(arr) is not None:
             return await self._one(link, arr, datatype, timeout_s)
         # Larger than an arena block: in pieces of whole samples (the engine batches and splits them anyway).
@@ -139,21 +169,42 @@ class RemoteRunner:
             offset, keep = await self.arena.allocate(arr.nbytes)
             np.frombuffer(keep, np.uint8)[:] = np.ascontiguousarray(arr).reshape(-1).view(np.uint8)
             self.copied_bytes += arr.nbytes
+        sending = self._send(link, ipc.INFER, datatype, offset, arr.nbytes, arr.shape, timeout_s, keep)
+        del keep, arr  # an error's traceback keeps this frame: only the pending entry may hold the bytes
+        return await sending
+
+    async def _send(self, link: EngineLink, kind: int, datatype: str, offset: int, nbytes: int,
+                    shape: tuple[int, ...], timeout_s: float | None, keep: object, trailer: bytes = b"") -> BatchResult:
+        """One inference record to ``link`` and its answer; ``keep`` (the request's bytes) stays reserved until
+        the engine's reply."""
         if link.lost is not None:
             raise self.lost_error()
         req_id = next(self._ids)
         future = asyncio.get_running_loop().create_future()
-        link.pending[req_id] = (future, keep)  # keeps the bytes reserved until the engine's reply
-        link.outbox.put(ipc.REQUEST.pack(ipc.INFER, INPUT_DATATYPES.index(datatype), req_id, offset, arr.nbytes,
-                                         ipc.deadline_of(timeout_s), *arr.shape))
+        link.pending[req_id] = (future, keep)
+        del keep
+        link.outbox.put(ipc.REQUEST.pack(kind, INPUT_DATATYPES.index(datatype), len(trailer), req_id, offset, nbytes,
+                                         ipc.deadline_of(timeout_s), *shape) + trailer)
         try:
             return await future
         except asyncio.CancelledError:
             if link.lost is None:
-                link.outbox.put(ipc.REQUEST.pack(ipc.CANCEL, 0, req_id, 0, 0, float("nan"), 0, 0, 0, 0, 0))
+                link.outbox.put(ipc.REQUEST.pack(ipc.CANCEL, 0, 0, req_id, 0, 0, float("nan"), 0, 0, 0, 0, 0))
             raise
-        finally:
-            del keep, arr  # an error's traceback keeps this frame: only the pending entry may hold the bytes
+
+    async def control(self, link: EngineLink, operation: dict, data: bytes = b"") -> dict:
+        """An operation on the CUDA regions, done by the engine ``link`` (engine.py ``_control``): its answer, or
+        the engine's ServingError."""
+        if link.lost is not None:
+            raise self.lost_error()
+        req_id = next(self._ids)
+        future = asyncio.get_running_loop().create_future()
+        link.pending[req_id] = (future, _CONTROL)
+        trailer = ipc.control_payload(operation, data)
+        link.outbox.put(ipc.REQUEST.pack(ipc.CONTROL, 0, len(trailer), req_id, 0, 0, float("nan"), 0, 0, 0, 0, 0)
+                        + trailer)
+        answer = await future
+        return json.loads(answer) if answer else {}
 
     async def _read(self, link: EngineLink) -> None:
         reader = link.reader
@@ -189,10 +240,12 @@ class RemoteRunner:
         """Answer the request of one reply (a function of its own, so that nothing here outlives the reply: the
         pending entry holds the request's arena space)."""
         kind, code, _length, req_id, queue_ns, batch_samples = header
-        future, _ = link.pending.pop(req_id, (None, None))
+        future, keep = link.pending.pop(req_id, (None, None))
         if future is None or future.done():
             return  # cancelled here meanwhile
-        if kind == ipc.OK:
+        if kind == ipc.OK and keep is _CONTROL:
+            future.set_result(payload)
+        elif kind == ipc.OK:
             future.set_result(BatchResult(np.frombuffer(payload, np.float32).reshape(-1, self.cout), queue_ns,
                                           batch_samples))
         else:
@@ -205,3 +258,73 @@ class RemoteRunner:
                 link.task.cancel()
         await asyncio.gather(*(link.task for link in self.links if link.task is not None), return_exceptions=True)
         self.arena.close()
+
+
+class _EngineDevices:
+    """The device layer of a front end's CUDA registry: the engines' device count; nothing is opened here."""
+
+    def __init__(self, count: int) -> None:
+        self.count = count
+
+    def device_count(self) -> int:
+        return self.count
+
+    def open(self, handle: bytes, device: int) -> Mapping:
+        raise DeviceMemoryError("a front end opens no CUDA memory: its engines do")
+
+    def close(self, mapping: Mapping) -> None:
+        raise DeviceMemoryError("a front end holds no CUDA mapping")
+
+    def write(self, address: int, data: bytes, device: int) -> None:
+        raise DeviceMemoryError("a front end writes no CUDA memory: its engines do")
+
+
+class EngineCudaSharedMemory(CudaSharedMemoryRegistry):
+    """CUDA shared memory through the engines of ``--frontends``: the engines open the handles, read the inputs
+    where they lie and write the outputs (engine.py ``_control``); the regions' records, shared by every front end
+    and engine in ``shared_dir``, are read here for names, bounds and status. A registration goes to the engine
+    of the device it names, which checks it as a server in one process does (handle, extent, limit, one namespace
+    with system regions through the exclusive record); a request's tensor goes to the same engine by name."""
+
+    def __init__(self, runner: RemoteRunner, max_regions: int, system: SharedMemoryRegistry | None,
+                 shared_dir: str) -> None:
+        super().__init__(_EngineDevices(runner.cuda_devices), max_regions, system, shared_dir)
+        self.runner = runner
+
+    async def register(self, name: str, raw_handle: bytes, device_id: int, byte_size: int) -> None:
+        self.check_new(name, raw_handle, device_id, byte_size)
+        await self.runner.control(self.runner.engine_for(device_id), {
+            "op": "register", "name": name, "handle": base64.b64encode(bytes(raw_handle)).decode(),
+            "device_id": device_id, "byte_size": byte_size})
+
+    async def unregister(self, name: str) -> None:
+        """One region: by the engine that maps it, then the others drop any mapping of theirs; every region: by
+        each engine."""
+        links = self.runner._live()
+        if not name:
+            for link in links:
+                await self.runner.control(link, {"op": "unregister", "name": ""})
+            return
+        (region,) = self.status(name)  # NOT_FOUND first
+        owner = self.runner.engine_for(region.device_id)
+        await self.runner.control(owner, {"op": "unregister", "name": name})
+        for link in links:
+            if link is not owner:
+                await self.runner.control(link, {"op": "forget", "name": name})
+
+    def read(self, name: str, offset: int, shape: tuple[int, ...], dtype: np.dtype,
+             what: str) -> tuple[RegionTensor, None]:
+        """The tensor by region and offset, once it lies inside the region (the engine checks again when it reads
+        it: the region may change meanwhile); no lease here (the engine's read holds one)."""
+        with self._locked():
+            region = self._slice(name, offset, math.prod(shape) * dtype.itemsize, what)
+        return RegionTensor(name, offset, tuple(shape), dtype, region.device_id), None
+
+    async def store(self, name: str, offset: int, data: bytes, what: str) -> None:
+        with self._locked():
+            region = self._slice(name, offset, len(data), what)
+        await self.runner.control(self.runner.engine_for(region.device_id),
+                                  {"op": "write", "name": name, "offset": offset, "what": what}, data)
+
+    def write(self, name: str, offset: int, data: bytes, what: str) -> None:
+        raise ServingError(Status.INTERNAL, f"{what}: a front end writes CUDA memory through its engine (store)")

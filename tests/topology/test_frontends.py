@@ -9,6 +9,7 @@ import json
 import os
 import re
 import signal
+import threading
 import urllib.request
 import uuid
 
@@ -20,17 +21,21 @@ import torch
 from voxserve.client import Client, InferenceError, SharedMemoryBuffer
 from voxserve.datatypes import to_wire
 from voxserve.kernels import reference_float64, reference_weights
+from voxserve.server.app import VoxServer
 from voxserve.server.core.batching import BatchingConfig
 from voxserve.server.core.errors import ServingError, Status
 from voxserve.server.core.model import relative_error
+from voxserve.server.protocol.shm import SharedMemoryRegistry
 from voxserve.server.settings import Settings, add_arguments, from_namespace, validate
 from voxserve.server.topology.engine import Engine
 from voxserve.server.topology.ipc import Arena
-from voxserve.server.topology.remote import RemoteRunner
+from voxserve.server.topology.remote import EngineCudaSharedMemory, RemoteRunner
+from voxserve.server.topology.roles import FRONTEND, Role
 from voxserve.server.topology.supervisor import cgroup_cpu_quota, resolve_frontends, usable_cpus
+from voxserve.testing.fake_devicemem import FakeDeviceMemory
 from voxserve.testing.load import proc_stat
 
-from ..conftest import serve_process
+from ..conftest import ServerThread, serve_process
 from ..e2e.test_lifecycle import _metric, _wait_for
 
 W, B = reference_weights()
@@ -166,10 +171,10 @@ def test_arena_allocate_waits_for_room():
 
 @contextlib.asynccontextmanager
 async def engine_and_runner(tmp_path, arena_bytes: int = 64 * MiB, runner_queue: int = 512, device: str = "cpu",
-                            **engine_settings):
+                            regions_dir: str | None = None, device_memory=None, **engine_settings):
     settings = Settings(device=device, **engine_settings)
     path = str(tmp_path / f"e-{uuid.uuid4().hex[:6]}.sock")
-    engine = Engine(settings, path)
+    engine = Engine(settings, path, regions_dir=regions_dir, device_memory=device_memory)
     await asyncio.to_thread(engine.load)
     stop = asyncio.Event()
     serving = asyncio.create_task(engine.serve(stop))
@@ -314,6 +319,165 @@ def test_front_end_loses_its_engine(tmp_path):
             assert err.value.code == Status.UNAVAILABLE and "restarted" in err.value.message
 
     asyncio.run(main())
+
+
+def test_cuda_regions_through_a_front_end_are_mapped_read_and_written_by_the_engine(tmp_path):
+    """CUDA shared memory with --frontends (the fake device layer standing in for the GPU): a registration goes to
+    the engine, which opens the handle and checks it; the front end knows the region by its shared record; the
+    engine reads the input where it lies and writes the output into the client's memory; an unregister frees the
+    name at once and the engine unmaps once its last reader is done."""
+    rng = np.random.default_rng()
+    regions = tmp_path / "regions"
+    regions.mkdir()
+    fake = FakeDeviceMemory(2)
+
+    async def main():
+        async with engine_and_runner(tmp_path, regions_dir=str(regions), device_memory=fake) as (engine, runner,
+                                                                                                   _stop, _lost):
+            assert runner.cuda_devices == 2
+            system = SharedMemoryRegistry(shared_dir=str(regions))
+            front = EngineCudaSharedMemory(runner, 8, system, str(regions))
+            system.cuda = front
+            x = rng.standard_normal((3, 3, 6, 7, 8), dtype=np.float32)
+            out_bytes = 3 * 16 * 4
+            handle = fake.export(x.tobytes() + bytes(out_bytes))
+            await front.register("r", handle, 0, x.nbytes + out_bytes)
+            assert fake.opens == 1 and fake.mapped == 1  # in the engine, at registration
+            assert [(r.name, r.device_id, r.byte_size) for r in front.status("")] == [("r", 0, x.nbytes + out_bytes)]
+            assert front.holds("r") and system.status("") == []
+            f32 = np.dtype(np.float32)
+            tensor, lease = front.read("r", 0, x.shape, f32, "input 'input'")
+            assert lease is None and tensor.nbytes == x.nbytes
+            results = await asyncio.gather(*(runner.run(tensor, "FP32") for _ in range(4)))
+            for r in results:
+                assert relative_error(torch.from_numpy(r.output.copy()), _ref(x)) <= 1e-5
+            assert runner.copied_bytes == 0  # nothing went through the arena
+            await front.store("r", x.nbytes, results[0].output.tobytes(), "output 'output'")
+            written = np.frombuffer(fake.contents(handle)[x.nbytes:], np.float32).reshape(3, 16)
+            np.testing.assert_array_equal(written, results[0].output)
+            # FP16 where it lies, half the bytes
+            half = x.astype(np.float16)
+            handle16 = fake.export(half.tobytes(), device=1)
+            await front.register("h", handle16, 1, half.nbytes)
+            tensor16, _ = front.read("h", 0, x.shape, np.dtype(np.float16), "input 'input'")
+            r16 = await runner.run(tensor16, "FP16")
+            assert relative_error(torch.from_numpy(r16.output.copy()), _ref(half.astype(np.float32))) <= 1e-5
+
+            # What is refused, by whom: the front end (name, size, device, bounds, names taken), the engine (a
+            # handle that does not open, a size beyond the allocation), with the server's codes and sentences.
+            async def refused(call) -> ServingError:
+                with pytest.raises(ServingError) as err:
+                    await call
+                return err.value
+
+            assert (await refused(front.register("r", handle, 0, 16))).code == Status.ALREADY_EXISTS
+            assert (await refused(front.register("d", handle, 2, 16))).code == Status.INVALID_ARGUMENT
+            bad = await refused(front.register("g", os.urandom(64), 0, 16))
+            assert bad.code == Status.INVALID_ARGUMENT and "does not open" in bad.message
+            big = await refused(front.register("b", fake.export(256), 0, 257))
+            assert big.code == Status.INVALID_ARGUMENT and "exceeds the 256 bytes" in big.message
+            with pytest.raises(ServingError) as err:
+                front.read("r", out_bytes + 4, x.shape, f32, "input 'input'")
+            assert err.value.code == Status.INVALID_ARGUMENT and "outside" in err.value.message
+            with pytest.raises(ServingError) as err:
+                front.read("nope", 0, x.shape, f32, "input 'input'")
+            assert err.value.code == Status.NOT_FOUND
+            assert (await refused(front.store("r", x.nbytes + 8, bytes(out_bytes), "output"))).code \
+                == Status.INVALID_ARGUMENT
+            assert fake.mapped == 2  # the refused registrations left nothing open
+
+            # Unregistered while the engine still reads it: gone for new requests at once, unmapped after.
+            reading = engine.cuda_shm.lease("r", 0, 64, "a reader")
+            await front.unregister("r")
+            assert not front.holds("r")
+            assert (await refused(runner.run(tensor, "FP32"))).code == Status.NOT_FOUND  # the engine's check
+            assert fake.mapped == 2
+            reading.release()
+            assert fake.mapped == 1
+            await front.register("r", handle, 0, x.nbytes)  # the name is free again
+            await front.unregister("")
+            assert front.status("") == [] and fake.mapped == 0
+            with pytest.raises(ServingError) as err:
+                await front.unregister("r")
+            assert err.value.code == Status.NOT_FOUND
+
+    asyncio.run(main())
+
+
+class _FrontEndThread(ServerThread):
+    """A front end (VoxServer in the FRONTEND role) on a thread of its own, for engines already listening."""
+
+    def __init__(self, settings: Settings, role: Role) -> None:
+        self.role = role
+        super().__init__(settings)
+
+    async def _make(self) -> VoxServer:
+        return VoxServer(self.settings, self.role)
+
+
+@contextlib.contextmanager
+def fake_layer_front_end(tmp_path):
+    """A front end over gRPC in front of a CPU engine whose CUDA shared memory is the fake device layer."""
+    run_dir = tmp_path / "run"
+    (run_dir / "regions").mkdir(parents=True)
+    (run_dir / "stats").mkdir()
+    fake = FakeDeviceMemory(2)
+    path = str(tmp_path / "engine.sock")
+    engine = Engine(Settings(device="cpu"), path, regions_dir=str(run_dir / "regions"), device_memory=fake)
+    engine.load()
+    loop = asyncio.new_event_loop()
+    stop = asyncio.Event()
+    serving = loop.create_task(engine.serve(stop))
+    thread = threading.Thread(target=loop.run_until_complete, args=(serving,), daemon=True)
+    thread.start()
+    settings = Settings(host="127.0.0.1", grpc_port=0, http_port=-1, metrics_port=-1, device="cpu")
+    front = _FrontEndThread(settings, Role(FRONTEND, str(run_dir), "0", (path,)))
+    try:
+        assert front.wait_ready(), front.server.load_error
+        yield front, engine, fake
+    finally:
+        front.stop()
+        loop.call_soon_threadsafe(stop.set)
+        thread.join(30)
+
+
+def test_cuda_shared_memory_over_grpc_through_a_front_end(tmp_path):
+    """The protocol's calls through a front end: tritonclient's (our client's) register, status, inference with the
+    input and the output in the client's memory (written there by the engine), counted as cuda_shm bytes; FP16 too;
+    unregister."""
+    w, b = reference_weights()
+    rng = np.random.default_rng()
+    with fake_layer_front_end(tmp_path) as (front, engine, fake), Client(front.url) as client:
+        assert "cuda_shared_memory" in client.server_metadata().extensions
+        counted = 0
+        for datatype in ("FP32", "FP16"):
+            x = rng.standard_normal((2, 3, 6, 5, 7), dtype=np.float32)
+            wire = to_wire(x, datatype)
+            exact = torch.from_numpy(np.frombuffer(wire, np.float16).astype(np.float32).reshape(x.shape)
+                                     if datatype == "FP16" else x)
+            out_bytes = 2 * 16 * 4
+            handle = fake.export(wire + bytes(out_bytes), device=1)
+            client.register_cuda_shared_memory("io", handle, 1, len(wire) + out_bytes)
+            assert client.cuda_shared_memory_status() == {"io": (1, len(wire) + out_bytes)}
+            assert engine.cuda_shm is not None and engine.cuda_shm.status("io")[0].mapping is not None
+            assert client.infer_shared_memory(x.shape, "io", datatype=datatype, output_region="io",
+                                              output_offset=len(wire)) is None
+            y = np.frombuffer(fake.contents(handle)[len(wire):], "<f4").reshape(2, 16).copy()
+            assert relative_error(torch.from_numpy(y), reference_float64(exact, w, b)) <= 1e-5
+            np.testing.assert_array_equal(client.infer_shared_memory(x.shape, "io", datatype=datatype), y)
+            counted += 2 * len(wire)
+            with pytest.raises(InferenceError) as err:
+                client.infer_shared_memory(x.shape, "io", datatype=datatype, input_offset=out_bytes + 8)
+            assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT
+            client.unregister_cuda_shared_memory("io")
+            assert client.cuda_shared_memory_status() == {} and fake.mapped == 0
+        with pytest.raises(InferenceError) as err:
+            client.register_cuda_shared_memory("g", os.urandom(64), 0, 64)
+        assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT and "does not open" in str(err.value)
+        assert front.server.metrics.registry.get_sample_value(
+            "voxserve_input_bytes_total", {"model": "voxnet", "path": "cuda_shm"}) == counted
+        assert front.server.metrics.registry.get_sample_value(
+            "voxserve_input_bytes_total", {"model": "voxnet", "path": "wire"}) in (None, 0.0)
 
 
 async def _until(predicate, step: float = 0.01) -> None:
