@@ -122,13 +122,18 @@ def _shm_ref(parameters, what: str) -> SharedMemoryRef | None:
     return SharedMemoryRef(region.string_param, values.get(OFFSET_PARAM, 0), values.get(SIZE_PARAM))
 
 
-def shared_memory_input_bytes(request: pb.ModelInferRequest) -> int | None:
-    """The bytes a request's shared-memory input declares (decoding it copies that many), or None when its input
-    is not in shared memory. Only its type is checked here; decode_request checks it against the shape."""
+def shared_memory_input_bytes(request: pb.ModelInferRequest, shm=None) -> int | None:
+    """The bytes a request's system shared-memory input declares (decoding it copies that many), or None when its
+    input is not in shared memory, or is in a CUDA region of ``shm`` (read where it lies: no copy). Only its type is
+    checked here; decode_request checks it against the shape."""
     for tensor in request.inputs:
         if REGION_PARAM in tensor.parameters:
             ref = _shm_ref(tensor.parameters, f"input '{shown(tensor.name)}'")
-            return (ref.byte_size or 0) if ref is not None else 0
+            if ref is None:
+                return 0
+            if shm is not None and shm.cuda is not None and shm.cuda.holds(ref.region):
+                return None
+            return ref.byte_size or 0
     return None
 
 

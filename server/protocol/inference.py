@@ -308,7 +308,7 @@ class InferenceService:
             timeout_s = None if deadline is None else deadline - asyncio.get_running_loop().time()
             try:
                 runner.admit()  # refuse before decoding: overload must cost as little as possible
-                shm_bytes = codec.shared_memory_input_bytes(request)
+                shm_bytes = codec.shared_memory_input_bytes(request, self.shm)
                 if shm_bytes is not None:  # a tensor-sized copy, bounded in total, made off the event loop
                     await self.shm_budget.acquire(shm_bytes)
                     held = shm_bytes

@@ -643,3 +643,24 @@ def test_rest_register_bodies_that_are_refused(gpu_less_cuda_server, body):
     with pytest.raises(urllib.error.HTTPError) as err:
         urllib.request.urlopen(request, timeout=30)
     assert err.value.code == 400 and "register body" in json.loads(err.value.read())["error"]
+
+
+def test_cuda_inputs_take_nothing_from_the_budget_of_shared_memory_copies():
+    """A CUDA region's input is read where it lies: --max-shm-inflight-bytes (the private copies of system
+    shared-memory inputs) neither limits nor counts it."""
+    fake = FakeDeviceMemory(1)
+    settings = dataclasses.replace(Settings(host="127.0.0.1", grpc_port=0, http_port=-1, metrics_port=-1,
+                                            device="cpu"), max_shm_inflight_bytes=1024)
+    srv = _FakeLayerServer(settings, fake)
+    try:
+        assert srv.wait_ready(), srv.server.load_error
+        x = np.random.default_rng().standard_normal((2, 3, 6, 6, 6), dtype=np.float32)  # 5 KB: over the budget
+        with Client(srv.url) as client:
+            client.register_cuda_shared_memory("big", fake.export(x.tobytes()), 0, x.nbytes)
+            y = client.infer_shared_memory(x.shape, "big")
+            w, b = reference_weights()
+            assert relative_error(torch.from_numpy(y), reference_float64(torch.from_numpy(x), w, b)) <= 1e-5
+            assert srv.server.service.shm_budget.used == 0
+            client.unregister_cuda_shared_memory()
+    finally:
+        srv.stop()
