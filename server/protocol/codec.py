@@ -132,7 +132,8 @@ def shared_memory_input_bytes(request: pb.ModelInferRequest, shm=None) -> int | 
             if ref is None:
                 return 0
             if shm is not None and shm.cuda is not None and shm.cuda.holds(ref.region):
-                return None
+                # Nothing to copy; 0 (decoded off the event loop, budgeting nothing) while it is yet to be mapped here
+                return None if shm.cuda.opened(ref.region) else 0
             return ref.byte_size or 0
     return None
 

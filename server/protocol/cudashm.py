@@ -68,6 +68,7 @@ class CudaRegion:
     token: str = ""  # the shared record's: a registration's identity across replicas
     in_use: int = 0  # leases not yet released
     unregistered: bool = False  # the name is gone; the mapping closes when in_use reaches 0
+    opening: threading.Lock = field(default_factory=threading.Lock, repr=False)  # held while it opens here
 
 
 class Lease:
@@ -211,10 +212,28 @@ class CudaSharedMemoryRegistry:
         call this off the event loop)."""
         with self._locked():
             region = self._slice(name, offset, byte_size, what)
-            if region.mapping is None:
-                region.mapping = self._open_here(region, what)
-            region.in_use += 1
-            return Lease(self, region, offset, byte_size)
+            if region.mapping is not None:
+                region.in_use += 1
+                return Lease(self, region, offset, byte_size)
+        # Not mapped in this process yet: opened outside the registry's lock (other regions' requests go on), by one
+        # caller per region.
+        with region.opening:
+            mapping = self._open_here(region, what) if region.mapping is None else None
+            with self._locked():
+                if self._regions.get(name) is region:
+                    if mapping is not None:
+                        region.mapping = mapping
+                    region.in_use += 1
+                    return Lease(self, region, offset, byte_size)
+        if mapping is not None:  # unregistered while it opened
+            self._close(name, mapping)
+        raise not_found(f"{what}: CUDA shared-memory region {shown(name)!r} is not registered")
+
+    def opened(self, name: str) -> bool:
+        """Whether region ``name`` is mapped in this process (else its first use here opens it: off the loop)."""
+        with self._locked():
+            region = self._regions.get(name)
+            return region is not None and region.mapping is not None
 
     def _slice(self, name: str, offset: int, byte_size: int, what: str) -> CudaRegion:
         """Region ``name`` once ``byte_size`` bytes at ``offset`` lie inside it (under the lock)."""
@@ -256,7 +275,8 @@ class CudaSharedMemoryRegistry:
         self.write(name, offset, data, what)
 
     def _open_here(self, region: CudaRegion, what: str) -> Mapping:
-        """Open a region registered by another replica (under the lock: one open per region and process)."""
+        """Open a region registered by another replica (under the region's ``opening`` lock: one open per region and
+        process)."""
         try:
             mapping = self.devices.open(region.handle, region.device_id)
         except DeviceMemoryError as exc:

@@ -312,6 +312,9 @@ class EngineCudaSharedMemory(CudaSharedMemoryRegistry):
             if link is not owner:
                 await self.runner.control(link, {"op": "forget", "name": name})
 
+    def opened(self, name: str) -> bool:
+        return True  # nothing is opened here: a read never blocks
+
     def read(self, name: str, offset: int, shape: tuple[int, ...], dtype: np.dtype,
              what: str) -> tuple[RegionTensor, None]:
         """The tensor by region and offset, once it lies inside the region (the engine checks again when it reads

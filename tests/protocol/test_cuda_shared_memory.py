@@ -32,12 +32,14 @@ from google.protobuf import descriptor_pool
 from google.protobuf.message_factory import GetMessageClass
 
 from voxserve.client import Client, InferenceError, SharedMemoryBuffer
+from voxserve.client.client import build_shm_request
 from voxserve.datatypes import from_wire, to_wire
 from voxserve.kernels import reference_float64, reference_weights
 from voxserve.proto import pb, pb_grpc
 from voxserve.server.app import VoxServer
 from voxserve.server.core.errors import ServingError, Status
 from voxserve.server.core.model import relative_error
+from voxserve.server.protocol.codec import shared_memory_input_bytes
 from voxserve.server.protocol.cudashm import CudaSharedMemoryRegistry
 from voxserve.server.protocol.shm import SharedMemoryRegistry
 from voxserve.server.settings import Settings
@@ -383,6 +385,32 @@ def test_replicas_share_names_and_open_their_own_mappings(tmp_path):
         assert system.status("") == []
     asyncio.run(b.unregister(""))
     assert fake_b.opens == 0
+
+
+def test_a_replicas_first_use_of_a_region_opens_it_outside_the_lock_and_off_the_event_loop(tmp_path):
+    """In a replica that did not register a region, the first request decodes off the event loop (the open is a
+    blocking CUDA call) and the registry's lock is not held while the handle opens; later ones decode inline."""
+    fake, a = _registry(shared_dir=str(tmp_path))
+    _, b = _registry(shared_dir=str(tmp_path))
+    b.devices = fake
+    x = np.ones((1, 3, 3, 3, 3), np.float32)
+    asyncio.run(a.register("r", fake.export(x.tobytes()), 0, x.nbytes))
+    system = SharedMemoryRegistry(shared_dir=str(tmp_path))
+    system.cuda = b
+    request = build_shm_request(x.shape, "voxnet", "FP32", "r")
+    assert not b.opened("r") and shared_memory_input_bytes(request, system) == 0  # off the loop, nothing budgeted
+    locked_while_opening = []
+    opening = fake.open
+
+    def open_and_look(handle, device):
+        locked_while_opening.append(b._lock.locked())
+        return opening(handle, device)
+
+    fake.open = open_and_look
+    b.lease("r", 0, 4, "input").release()
+    assert locked_while_opening == [False]
+    assert b.opened("r") and shared_memory_input_bytes(request, system) is None  # mapped: inline from now on
+    asyncio.run(a.unregister(""))
 
 
 # --- the RPCs over real gRPC, against an in-process server given the fake layer ---------------------------------------
