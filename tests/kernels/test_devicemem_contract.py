@@ -1,14 +1,12 @@
 """The DeviceMemory contract (server/core/devicemem.py), run against both implementations: the fake (always) and
 the kernel library's CUDA IPC (on a GPU; the exporter is a child process, as the driver refuses a handle of the
-importing process itself)."""
+importing process itself: tests/cuda_exporter.py)."""
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
 import os
-import subprocess
-import sys
 from collections.abc import Callable, Iterator
 
 import pytest
@@ -17,25 +15,9 @@ import torch
 from voxserve.server.core.devicemem import HANDLE_BYTES, DeviceMemory, DeviceMemoryError, Mapping
 from voxserve.testing.fake_devicemem import FakeDeviceMemory
 
-# A child that allocates CUDA memory with torch, fills it with the hex line it reads, prints its handle and the
-# data's offset in the allocation (torch's storage sharing: a version byte, the type 'c', then the 64-byte
-# cudaIpcMemHandle_t), and keeps the memory until its stdin closes.
-_EXPORTER = """
-import sys, torch
-data = bytes.fromhex(sys.stdin.readline())
-t = torch.frombuffer(bytearray(data), dtype=torch.uint8).cuda()
-torch.cuda.synchronize()
-shared = t.untyped_storage()._share_cuda_()
-blob = shared[1]
-if len(blob) > 64 and blob[1:2] != b"c":
-    print("skip: torch shares this allocation in its own format (expandable segments)", flush=True)
-    sys.exit(0)
-raw = blob[2:66] if len(blob) > 64 else blob
-print(raw.hex(), shared[3], flush=True)
-sys.stdin.read()
-"""
+from ..cuda_exporter import Exporter, NoExporter, own_process_handle
 
-Exporter = Callable[[bytes], tuple[bytes, int]]  # data -> (handle, offset of the data from the mapped address)
+Export = Callable[[bytes], tuple[bytes, int]]  # data -> (handle, offset of the data from the mapped address)
 
 
 def _read(layer: str, mapping: Mapping, offset: int, n: int) -> bytes:
@@ -52,7 +34,7 @@ def _read(layer: str, mapping: Mapping, offset: int, n: int) -> bytes:
 
 
 @contextlib.contextmanager
-def _layer(kind: str) -> Iterator[tuple[DeviceMemory, Exporter]]:
+def _layer(kind: str) -> Iterator[tuple[DeviceMemory, Export]]:
     if kind == "fake":
         fake = FakeDeviceMemory()
         yield fake, lambda data: (fake.export(data), 0)
@@ -65,26 +47,18 @@ def _layer(kind: str) -> Iterator[tuple[DeviceMemory, Exporter]]:
     problem = cuda_kernels.load_problem()
     if problem is not None:
         pytest.skip(f"kernel library unavailable: {problem}")
-    children: list[subprocess.Popen] = []
+    try:
+        exporter = Exporter()
+    except NoExporter as exc:
+        pytest.skip(f"no exporter process: {exc}")
 
     def export(data: bytes) -> tuple[bytes, int]:
-        child = subprocess.Popen([sys.executable, "-c", _EXPORTER], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                 text=True, env={**os.environ, "PYTORCH_CUDA_ALLOC_CONF": ""})
-        children.append(child)
-        assert child.stdin is not None and child.stdout is not None
-        child.stdin.write(data.hex() + "\n")  # on stdin: megabytes do not fit in an argument list
-        child.stdin.flush()
-        line = child.stdout.readline().split()
-        if not line or line[0] == "skip:":
-            pytest.skip(" ".join(line) or "the exporter failed")
-        return bytes.fromhex(line[0]), int(line[1])
+        return exporter.alloc(len(data), data).handle, 0  # an allocation of its own: the data at its start
 
     try:
         yield CudaDeviceMemory(), export
     finally:
-        for child in children:
-            child.stdin.close()
-            child.wait(30)
+        exporter.close()
 
 
 LAYERS = ["fake", pytest.param("cuda", marks=pytest.mark.gpu)]
@@ -135,9 +109,11 @@ def test_a_handle_of_this_process_does_not_open(kind):
             assert isinstance(layer, FakeDeviceMemory)
             handle = layer.export(b"mine", own_process=True)
         else:
-            t = torch.ones(1024, device="cuda:0")
-            blob = t.untyped_storage()._share_cuda_()[1]
-            handle = blob[2:66] if len(blob) > 64 else blob
-        with pytest.raises(DeviceMemoryError) as err:
-            layer.open(handle, 0)
-        assert err.value.reason
+            handle, free = own_process_handle()
+        try:
+            with pytest.raises(DeviceMemoryError) as err:
+                layer.open(handle, 0)
+            assert err.value.reason
+        finally:
+            if kind == "cuda":
+                free()
