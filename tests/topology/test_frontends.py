@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import gc
 import json
@@ -665,3 +666,60 @@ def test_frontends_auto_starts_front_ends_for_a_gpu(tmp_path):
         assert srv.proc.wait(timeout=90) == 0
     assert f"--frontends auto: {expected} front ends" in srv.log
     assert srv.log.count("(front end of 1 engine(s))") == expected and "engine 0 ready on cuda" in srv.log
+
+
+def _cuda_round_through(url: str, exporter, x: np.ndarray, datatype: str) -> None:
+    """One region of ``x`` in ``datatype``: registered through one connection, 16 requests over 8 connections
+    (both front ends) writing their outputs into the region, one answered in the response, then unregistered."""
+    wire = to_wire(x, datatype)
+    exact = np.frombuffer(wire, np.float16).astype(np.float32).reshape(x.shape) if datatype == "FP16" else x
+    out_bytes = x.shape[0] * 16 * 4
+    memory = exporter.alloc(len(wire) + 16 * out_bytes, wire)
+    name = f"gpu_{datatype}"
+    clients = [Client(url, timeout_s=60) for _ in range(8)]
+    try:
+        assert "cuda_shared_memory" in clients[0].server_metadata().extensions
+        clients[0].register_cuda_shared_memory(name, memory.handle, 0, memory.size)
+        for c in clients:
+            assert c.cuda_shared_memory_status(name) == {name: (0, memory.size)}
+
+        def one(i: int) -> np.ndarray:
+            assert clients[i % 8].infer_shared_memory(x.shape, name, datatype=datatype, output_region=name,
+                                                      output_offset=len(wire) + i * out_bytes) is None
+            return np.frombuffer(exporter.read(memory, len(wire) + i * out_bytes, out_bytes), "<f4")
+
+        with concurrent.futures.ThreadPoolExecutor(16) as pool:
+            outputs = list(pool.map(one, range(16)))
+        for y in outputs:
+            assert relative_error(torch.from_numpy(y.reshape(-1, 16).copy()), _ref(exact)) <= 1e-5
+        y = clients[0].infer_shared_memory(x.shape, name, datatype=datatype)
+        assert relative_error(torch.from_numpy(y), _ref(exact)) <= 1e-5
+        clients[1].unregister_cuda_shared_memory(name)
+        for c in clients[:4]:
+            with pytest.raises(InferenceError) as err:
+                c.infer_shared_memory(x.shape, name, datatype=datatype)
+            assert err.value.code == grpc.StatusCode.NOT_FOUND
+    finally:
+        for c in clients:
+            c.close()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_shared_memory_through_two_front_ends_on_a_gpu(tmp_path):
+    """A client process's device memory (a real CUDA IPC export) through --frontends 2: registered through one
+    front end, used through every connection (the port spreads them over both front ends), the input read where it
+    lies by the engine and the output written into the client's memory; FP32 and FP16 within fp32 of float64;
+    requests batched; unregistered, and refused after."""
+    from ..cuda_exporter import Exporter
+
+    x = np.random.default_rng().standard_normal((4, 3, 16, 32, 32), dtype=np.float32)
+    with serve_process(tmp_path / "server.log", "--frontends", "2") as srv, Exporter() as exporter:
+        _wait_for(lambda: _metric(srv.metrics_port, "voxserve_model_ready") == 1.0, 300, "every process ready")
+        for datatype in ("FP32", "FP16"):
+            _cuda_round_through(srv.url, exporter, x, datatype)
+        text = urllib.request.urlopen(f"http://127.0.0.1:{srv.metrics_port}/metrics", timeout=5).read().decode()
+        counted = sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                      if line.startswith("voxserve_input_bytes_total{") and 'path="cuda_shm"' in line)
+        assert counted == 17 * (x.nbytes + x.nbytes // 2)  # 17 requests of each datatype, none on the wire
+        srv.proc.send_signal(signal.SIGTERM)
+        assert srv.proc.wait(timeout=90) == 0
