@@ -41,7 +41,7 @@ ENTRY_POINTS = ("voxserve_last_error", "voxserve_is_specialised", "voxserve_work
                 "voxserve_events_create", "voxserve_events_destroy", "voxserve_event_query",
                 "voxserve_event_synchronize", "voxserve_elapsed_ms", "voxserve_graph_capture",
                 "voxserve_graph_destroy", "voxserve_execute", "voxserve_ipc_open", "voxserve_ipc_close",
-                "voxserve_error_name")
+                "voxserve_ipc_error_name")
 IPC_HANDLE_BYTES = 64  # CUDA_IPC_HANDLE_SIZE
 EVENTS = 5  # per execution: DMA in start and end, kernel start and end, result back
 
@@ -115,8 +115,8 @@ class _Library:
         lib.voxserve_ipc_open.restype = i
         lib.voxserve_ipc_close.argtypes = [p, i]
         lib.voxserve_ipc_close.restype = i
-        lib.voxserve_error_name.argtypes = [i]
-        lib.voxserve_error_name.restype = ctypes.c_char_p
+        lib.voxserve_ipc_error_name.argtypes = []
+        lib.voxserve_ipc_error_name.restype = ctypes.c_char_p
         self.lib = lib
         self.path = path
 
@@ -395,7 +395,7 @@ class IpcError(Exception):
 
 
 def _ipc_error(lib, rc: int) -> IpcError:
-    return IpcError(rc, (lib.voxserve_error_name(rc) or b"").decode(), lib.voxserve_last_error().decode())
+    return IpcError(rc, (lib.voxserve_ipc_error_name() or b"").decode(), lib.voxserve_last_error().decode())
 
 
 def ipc_open(handle: bytes, device: int) -> tuple[int, int, int, int]:

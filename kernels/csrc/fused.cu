@@ -1782,14 +1782,24 @@ int voxserve_execute(VoxExecution* e) {
 
 namespace {
 
+// The name of the last IPC failure's error (the runtime's or the driver's own: their numbers differ).
+thread_local char g_error_name[64] = "";
+
 int ipc_fail(const char* what, cudaError_t err) {
   snprintf(g_error, sizeof g_error, "%s failed: %s (%s)", what, cudaGetErrorString(err), cudaGetErrorName(err));
+  snprintf(g_error_name, sizeof g_error_name, "%s", cudaGetErrorName(err));
   cudaGetLastError();
   return static_cast<int>(err);
 }
 
+void* driver_entry(const char* symbol);
+
 int driver_fail(const char* what, CUresult res) {
-  snprintf(g_error, sizeof g_error, "%s failed: CUDA driver error %d", what, static_cast<int>(res));
+  const char* name = nullptr;
+  auto get_name = reinterpret_cast<PFN_cuGetErrorName_v6000>(driver_entry("cuGetErrorName"));
+  if (get_name == nullptr || get_name(res, &name) != CUDA_SUCCESS || name == nullptr) name = "CUDA_ERROR_UNKNOWN";
+  snprintf(g_error, sizeof g_error, "%s failed: %s (CUDA driver error %d)", what, name, static_cast<int>(res));
+  snprintf(g_error_name, sizeof g_error_name, "%s", name);
   cudaGetLastError();
   return static_cast<int>(res);
 }
@@ -1819,6 +1829,7 @@ extern "C" {
 int voxserve_ipc_open(const void* handle, int device, void** ptr, unsigned long long* base, unsigned long long* size,
                       int* ordinal) {
   g_error[0] = '\0';
+  g_error_name[0] = '\0';
   *ptr = nullptr;
   static_assert(sizeof(cudaIpcMemHandle_t) == CUDA_IPC_HANDLE_SIZE, "a raw handle is CUDA_IPC_HANDLE_SIZE bytes");
   cudaError_t err = cudaSetDevice(device);
@@ -1860,6 +1871,7 @@ int voxserve_ipc_open(const void* handle, int device, void** ptr, unsigned long 
 // voxserve_last_error().
 int voxserve_ipc_close(void* ptr, int device) {
   g_error[0] = '\0';
+  g_error_name[0] = '\0';
   cudaError_t err = cudaSetDevice(device);
   if (err != cudaSuccess) return ipc_fail("cudaSetDevice", err);
   err = cudaIpcCloseMemHandle(ptr);
@@ -1867,7 +1879,8 @@ int voxserve_ipc_close(void* ptr, int device) {
   return 0;
 }
 
-// CUDA's name for an error number the two calls above returned ("cudaErrorInvalidResourceHandle").
-const char* voxserve_error_name(int err) { return cudaGetErrorName(static_cast<cudaError_t>(err)); }
+// CUDA's name for the error of the last of the two calls above that failed on this thread: the runtime's
+// ("cudaErrorInvalidResourceHandle") or, for a driver call, the driver's ("CUDA_ERROR_INVALID_VALUE").
+const char* voxserve_ipc_error_name() { return g_error_name; }
 
 }  // extern "C"
