@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -65,20 +66,31 @@ def _bindings() -> tuple[Any, Any]:
 
 
 def _cuda(device_id: int | None = None) -> tuple[Any, Any]:
-    """The bindings, once a CUDA device answers; with ``device_id``, that device made current (its primary
-    context, which torch and every other runtime in this process share)."""
+    """The bindings, once a CUDA device answers (and ``device_id``, if given, is one of them)."""
     runtime, driver = _bindings()
     err, count = runtime.cudaGetDeviceCount()
     if err != runtime.cudaError_t.cudaSuccess:
         raise CudaUnavailable(f"no CUDA device here: cudaGetDeviceCount returned {_name(runtime, err)}")
     if count == 0:
         raise CudaUnavailable("no CUDA device here: cudaGetDeviceCount returned 0 devices")
-    if device_id is not None:
-        if not 0 <= device_id < count:
-            raise CudaUnavailable(f"device_id {device_id} is not a device of this process (it sees {count} CUDA "
-                             f"device{'s' if count != 1 else ''}: 0..{count - 1})")
-        _check(runtime, runtime.cudaSetDevice(device_id), "cudaSetDevice")
+    if device_id is not None and not 0 <= device_id < count:
+        raise CudaUnavailable(f"device_id {device_id} is not a device of this process (it sees {count} CUDA "
+                              f"device{'s' if count != 1 else ''}: 0..{count - 1})")
     return runtime, driver
+
+
+@contextlib.contextmanager
+def _on_device(runtime: Any, device_id: int) -> Iterator[None]:
+    """``device_id`` current (its primary context, which torch and every other runtime in this process share)
+    for a few calls, then the thread's device as it was: a caller's torch keeps its own current device."""
+    before = _check(runtime, runtime.cudaGetDevice(), "cudaGetDevice")
+    if before != device_id:
+        _check(runtime, runtime.cudaSetDevice(device_id), "cudaSetDevice")
+    try:
+        yield
+    finally:
+        if before != device_id:
+            runtime.cudaSetDevice(before)
 
 
 def _name(module: Any, err: Any) -> str:
@@ -122,14 +134,15 @@ def region_of(ptr: int) -> CudaRegion:
         raise CudaError(f"pointer {ptr:#x} is not device memory (CUDA says {attributes.type.name}): CUDA shared "
                         "memory exports device memory only")
     device_id = int(attributes.device)
-    _check(runtime, runtime.cudaSetDevice(device_id), "cudaSetDevice")
-    base, size = _check(driver, driver.cuMemGetAddressRange(ptr), "cuMemGetAddressRange")
-    base = int(base)
-    try:
-        handle = _check(runtime, runtime.cudaIpcGetMemHandle(base), "cudaIpcGetMemHandle")
-    except CudaError as exc:
-        raise CudaError(f"{exc} (CUDA IPC exports memory from cudaMalloc; memory from cuMemCreate, such as torch's "
-                        "with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, cannot be exported)") from None
+    with _on_device(runtime, device_id):
+        base, size = _check(driver, driver.cuMemGetAddressRange(ptr), "cuMemGetAddressRange")
+        base = int(base)
+        try:
+            handle = _check(runtime, runtime.cudaIpcGetMemHandle(base), "cudaIpcGetMemHandle")
+        except CudaError as exc:
+            raise CudaError(f"{exc} (CUDA IPC exports memory from cudaMalloc; memory from cuMemCreate, such as "
+                            "torch's with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, cannot be exported)"
+                            ) from None
     return CudaRegion(base, int(size), device_id, ctypes.string_at(handle.getPtr(), HANDLE_BYTES))
 
 
@@ -203,12 +216,14 @@ class CudaBuffer:
         self._runtime, _ = _cuda(device_id)
         self.byte_size = byte_size
         self.device_id = device_id
-        self.ptr: int = int(_check(self._runtime, self._runtime.cudaMalloc(byte_size), "cudaMalloc"))
-        try:
-            handle = _check(self._runtime, self._runtime.cudaIpcGetMemHandle(self.ptr), "cudaIpcGetMemHandle")
-        except BaseException:
-            self._runtime.cudaFree(self.ptr)
-            raise
+        rt = self._runtime
+        with _on_device(rt, device_id):
+            self.ptr: int = int(_check(rt, rt.cudaMalloc(byte_size), "cudaMalloc"))
+            try:
+                handle = _check(rt, rt.cudaIpcGetMemHandle(self.ptr), "cudaIpcGetMemHandle")
+            except BaseException:
+                rt.cudaFree(self.ptr)
+                raise
         self.region = CudaRegion(self.ptr, byte_size, device_id, ctypes.string_at(handle.getPtr(), HANDLE_BYTES))
 
     def __repr__(self) -> str:
@@ -226,29 +241,25 @@ class CudaBuffer:
         """Copy ``array``'s bytes (C order) to the buffer at ``offset``; returns once they are there."""
         data = np.ascontiguousarray(array)
         rt = self._runtime
-        self._set_device()
-        _check(rt, rt.cudaMemcpy(self._span(offset, data.nbytes), data.ctypes.data, data.nbytes,
-                                 rt.cudaMemcpyKind.cudaMemcpyHostToDevice), "cudaMemcpy")
+        with _on_device(rt, self.device_id):
+            _check(rt, rt.cudaMemcpy(self._span(offset, data.nbytes), data.ctypes.data, data.nbytes,
+                                     rt.cudaMemcpyKind.cudaMemcpyHostToDevice), "cudaMemcpy")
 
     def read(self, dtype: Any, shape: tuple[int, ...], offset: int = 0) -> np.ndarray:
         """A new numpy array of ``dtype`` and ``shape`` copied from the buffer at ``offset``."""
         out = np.empty(shape, dtype=dtype)
         rt = self._runtime
-        self._set_device()
-        _check(rt, rt.cudaMemcpy(out.ctypes.data, self._span(offset, out.nbytes), out.nbytes,
-                                 rt.cudaMemcpyKind.cudaMemcpyDeviceToHost), "cudaMemcpy")
+        with _on_device(rt, self.device_id):
+            _check(rt, rt.cudaMemcpy(out.ctypes.data, self._span(offset, out.nbytes), out.nbytes,
+                                     rt.cudaMemcpyKind.cudaMemcpyDeviceToHost), "cudaMemcpy")
         return out
-
-    def _set_device(self) -> None:
-        _check(self._runtime, self._runtime.cudaSetDevice(self.device_id), "cudaSetDevice")
 
     def close(self) -> None:
         """Free the memory (once; a server that still maps it keeps it alive until it unmaps it)."""
         if self.ptr:
             ptr, self.ptr = self.ptr, 0
-            with contextlib.suppress(CudaError):
-                self._set_device()
-            _check(self._runtime, self._runtime.cudaFree(ptr), "cudaFree")
+            with _on_device(self._runtime, self.device_id):
+                _check(self._runtime, self._runtime.cudaFree(ptr), "cudaFree")
 
     def __enter__(self) -> CudaBuffer:
         return self
@@ -266,4 +277,5 @@ def synchronize(device_id: int) -> None:
     """Wait for all work on the device (every stream of this process): what the client wrote into a region is
     there before a server reads it."""
     runtime, _ = _cuda(device_id)
-    _check(runtime, runtime.cudaDeviceSynchronize(), "cudaDeviceSynchronize")
+    with _on_device(runtime, device_id):
+        _check(runtime, runtime.cudaDeviceSynchronize(), "cudaDeviceSynchronize")

@@ -47,13 +47,15 @@ class FakeCuda:
     def __init__(self, memory: FakeDeviceMemory, devices: int = 1) -> None:
         self.memory = memory
         self.devices = devices
-        self.current = 0
+        self.current = 0  # the thread's current device
+        self.devices_used: set[int] = set()  # the devices memory was allocated or synchronized on
         self.allocations: dict[int, _Allocation] = {}
         self.synchronized = 0
         self.runtime = SimpleNamespace(
             cudaError_t=cudaError_t, cudaMemoryType=cudaMemoryType, cudaMemcpyKind=cudaMemcpyKind,
             cudaGetErrorName=lambda err: (cudaError_t.cudaSuccess, cudaError_t(err).name.encode()),
-            cudaGetDeviceCount=self.device_count, cudaSetDevice=self.set_device, cudaMalloc=self.malloc,
+            cudaGetDeviceCount=self.device_count, cudaSetDevice=self.set_device,
+            cudaGetDevice=lambda: (cudaError_t.cudaSuccess, self.current), cudaMalloc=self.malloc,
             cudaFree=self.free, cudaIpcGetMemHandle=self.ipc_handle, cudaMemcpy=self.memcpy,
             cudaPointerGetAttributes=self.attributes, cudaDeviceSynchronize=self.synchronize)
         self.driver = SimpleNamespace(
@@ -83,6 +85,7 @@ class FakeCuda:
         mapping = self.memory.open(handle, self.current)  # (only to learn the buffer's address)
         self.memory.close(mapping)
         self.allocations[mapping.address] = _Allocation(mapping.address, size, self.current, handle)
+        self.devices_used.add(self.current)
         return cudaError_t.cudaSuccess, mapping.address
 
     def free(self, ptr: int):

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from voxserve.cli import main
-from voxserve.client import Client, CudaBuffer, cuda
+from voxserve.client import Client, CudaBuffer, CudaUnavailable, cuda
 from voxserve.kernels import reference_float64, reference_weights
 from voxserve.server.core.model import relative_error
 from voxserve.testing.load import ServerProcess
@@ -31,8 +31,10 @@ COUT = 16
 def gpu_server():
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
-    if importlib.util.find_spec("cuda.bindings") is None:
-        pytest.skip("needs cuda-bindings (pip install 'voxserve[cuda]')")
+    try:
+        cuda.require_device(0)
+    except CudaUnavailable as exc:  # cuda-bindings not installed (voxserve[cuda])
+        pytest.skip(str(exc))
     with ServerProcess(["--device", "cuda"], ready_timeout_s=600) as srv:
         with Client(srv.url) as c:
             if "cuda_shared_memory" not in c.server_metadata().extensions:

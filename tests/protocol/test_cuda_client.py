@@ -60,6 +60,7 @@ def test_a_buffer_of_our_own_round_trips_and_serves_a_request(fake_cuda, client,
         y = buf.read(np.float32, (3, 16), offset=x.nbytes)
     assert relative_error(torch.from_numpy(y), reference_float64(torch.from_numpy(x), w, b)) <= 1e-5
     assert buf.ptr == 0 and not fake_cuda.allocations  # freed by the context manager
+    assert fake_cuda.devices_used == {1} and fake_cuda.current == 0  # on device 1; the caller's device kept
     buf.close()  # once
 
 
