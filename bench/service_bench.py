@@ -312,7 +312,7 @@ def render(args, out: dict[str, list[LevelResult]], device: str, seconds: float,
     lines += ["tensor MB/s: input tensor bytes per second, on the wire or in shared memory.", "",
               "## Against the targets", "",
               "Each goal is met or missed by the rows above (best level of each server); without the rows a goal "
-              "needs, it is not measured.", "", "| target | measured | goal | |", "|---|---|---|---|"]
+              "needs, it is not measured.", "", "| target | measured | goal | verdict |", "|---|---|---|---|"]
 
     def ratio(a: LevelResult | None, b: LevelResult | None) -> float | None:
         """a's samples/s over b's."""
