@@ -8,7 +8,7 @@ percentiles per level, the first error of a level that had any (status and messa
 queue/compute split from ModelStatistics. It works against any Open Inference Protocol server (the report
 names the server from its ServerMetadata). ``--compare-raw`` sends the same bytes, in the same run, to a
 trivial sink server in another process: the gRPC transport's ceiling on this machine.
-Needs only grpcio, protobuf and numpy (matplotlib for --plot).
+Needs only grpcio, protobuf and numpy (matplotlib for --plot, cuda-bindings for --cuda-shared-memory).
 """
 
 from __future__ import annotations
