@@ -10,8 +10,8 @@ Scenarios (all through `voxserve.client.bench.run_level`: pre-serialised request
   4. batch-1 traffic at concurrency 64: voxserve with batching, without (--no-batching), Triton, MLServer;
   5. the full batch and batch 1 over the REST form (bench/rest_load.py), the tensor as binary data (Triton's
      extension) and as JSON numbers: voxserve's REST port, Triton's HTTP endpoint;
-  6. on a GPU, the full batch and batch 1 in CUDA shared memory (this process's device memory, exported by CUDA
-     IPC): voxserve in process.
+  6. on a GPU, the full batch and batch 1 in CUDA shared memory (this process's device memory, allocated and
+     exported by voxserve.client's CudaBuffer: needs cuda-bindings, voxserve[cuda]): voxserve in process, Triton.
 With --frontends N, voxserve also runs with N gRPC front ends before its engine (rows of their own); the
 batch-1 client is --processes load processes over --connections connections, the same for every server.
 Triton (--triton: the nvidia-pytriton wheel's path, or an installed pytriton) runs voxserve's own model
@@ -46,8 +46,15 @@ import numpy as np
 from rest_load import rest_body, run_rest_level  # bench/ (this script's folder)
 from triton_peer.server import TritonUnavailable, triton_server
 
-from voxserve.client import Client, build_request, build_shm_request
-from voxserve.client.bench import LevelResult, raw_sink, run_level, run_level_processes, setup_shared_memory
+from voxserve.client import Client, build_request
+from voxserve.client.bench import (
+    LevelResult,
+    raw_sink,
+    run_level,
+    run_level_processes,
+    setup_cuda_shared_memory,
+    setup_shared_memory,
+)
 from voxserve.datatypes import to_wire
 from voxserve.testing.load import ServerProcess, free_port
 
@@ -136,45 +143,28 @@ def rest_rows(args, out: dict[str, list[LevelResult]], host_port: str, full: np.
         out["rest_batch1"].append(rest_level(host_port, one, binary, 64, target, d, args.processes, model=model))
 
 
-@contextlib.contextmanager
-def cuda_shared_memory(url: str, x: np.ndarray, model: str = "voxnet"):
-    """``x`` in device memory of this process (cudaMalloc'd exactly, by ctypes: the server maps the allocation
-    itself), registered as the input and an output region; yields a serialised request referencing both."""
-    import torch
-    from probes.cuda_ipc_probe import MEMCPY_HOST_TO_DEVICE, Cuda, _library_path
-
-    torch.zeros(1, device="cuda")  # loads torch's cudart, which Cuda drives
-    cuda = Cuda(_library_path("libcudart"))
-    out_bytes = 4 * x.shape[0] * 16
-    tag = f"voxbench_cuda_{os.getpid()}"
-    base = cuda.malloc(x.nbytes + out_bytes)
-    try:
-        cuda.check(cuda.memcpy(base, x.ctypes.data, x.nbytes, MEMCPY_HOST_TO_DEVICE), "cudaMemcpy")
-        with Client(url, model=model) as c:
-            c.register_cuda_shared_memory(tag, cuda.export(base), 0, x.nbytes + out_bytes)
-        try:
-            yield build_shm_request(tuple(x.shape), model, "FP32", tag, output_region=tag, output_offset=x.nbytes,
-                                    output_byte_size=out_bytes).SerializeToString()
-        finally:
-            with Client(url, model=model) as c:
-                c.unregister_cuda_shared_memory(tag)
-    finally:
-        cuda.free(base)
-
-
-def cuda_rows(args, out: dict[str, list[LevelResult]], url: str, full: np.ndarray, notes: list[str]) -> None:
-    """voxserve's CUDA shared-memory rows (in process: front ends do not offer it), or a note saying why none."""
+def cuda_rows(args, out: dict[str, list[LevelResult]], url: str, full: np.ndarray, notes: list[str], target: str,
+              model: str = "voxnet") -> None:
+    """A server's CUDA shared-memory rows: input and output in device memory of this process (voxserve.client's
+    CudaBuffer, exported by CUDA IPC), the full batch at each full concurrency and batch 1 at c=64; or a note
+    saying why there are none (voxserve in process: front ends do not offer it)."""
     d, load = args.duration, (args.processes, args.connections)
+    one = full[:1].copy()
     try:
-        with cuda_shared_memory(url, full) as payload:
+        payload, cleanup = setup_cuda_shared_memory(url, full, "FP32", model)
+        try:
             for c in args.full_concurrency:
-                out["cuda_shm"].append(level(url, payload, args.batch, full.nbytes, c, "voxserve", d))
-        one = full[:1].copy()
-        with cuda_shared_memory(url, one) as payload:
-            out["cuda_shm_batch1"].append(level(url, payload, 1, one.nbytes, 64, "voxserve", d, *load))
-    except Exception as exc:  # no GPU, no CUDA IPC here: the other rows are still worth their report
+                out["cuda_shm"].append(level(url, payload, args.batch, full.nbytes, c, target, d, model=model))
+        finally:
+            cleanup()
+        payload, cleanup = setup_cuda_shared_memory(url, one, "FP32", model)
+        try:
+            out["cuda_shm_batch1"].append(level(url, payload, 1, one.nbytes, 64, target, d, *load, model=model))
+        finally:
+            cleanup()
+    except Exception as exc:  # no GPU, no CUDA IPC, no cuda-bindings here: the other rows are still worth their report
         traceback.print_exc()
-        notes.append(f"CUDA shared memory: no rows ({type(exc).__name__}: {str(exc).splitlines()[0]})")
+        notes.append(f"{target}: no CUDA shared-memory rows ({type(exc).__name__}: {str(exc).splitlines()[0]})")
 
 
 def triton_rows(args, out: dict[str, list[LevelResult]], full: np.ndarray, notes: list[str]) -> None:
@@ -204,6 +194,8 @@ def triton_rows(args, out: dict[str, list[LevelResult]], full: np.ndarray, notes
             finally:
                 cleanup()
             out["batch1"].append(level(triton.url, single, 1, n1, 64, TRITON, d, *load, model=m32))
+            if args.device != "cpu":
+                cuda_rows(args, out, triton.url, full, notes, TRITON, model=m32)
             rest_rows(args, out, triton.http_url, full, TRITON, model=m32)
     except TritonUnavailable as exc:
         print(f"Triton's rows skipped: {exc}", file=sys.stderr, flush=True)
@@ -248,7 +240,7 @@ def run(args, notes: list[str], checkpoint: Callable[[dict[str, list[LevelResult
         out["batch1"].append(level(vox.url, single, 1, n1, 64, "voxserve", d, *load))
         rest_rows(args, out, f"127.0.0.1:{vox.http_port}", full, "voxserve")
         if args.device != "cpu":
-            cuda_rows(args, out, vox.url, full, notes)
+            cuda_rows(args, out, vox.url, full, notes, "voxserve")
     with ServerProcess([*serve, "--no-batching"]) as vox:
         out["batch1"].append(level(vox.url, single, 1, n1, 64, "voxserve, no batching", d, *load))
     checkpoint(out)
@@ -318,49 +310,59 @@ def render(args, out: dict[str, list[LevelResult]], device: str, seconds: float,
         if failed:
             lines.append("")
     lines += ["tensor MB/s: input tensor bytes per second, on the wire or in shared memory.", "",
-              "## Against the targets", "", "| target | measured | goal |", "|---|---|---|"]
+              "## Against the targets", "",
+              "Each goal is met or missed by the rows above (best level of each server); without the rows a goal "
+              "needs, it is not measured.", "", "| target | measured | goal | verdict |", "|---|---|---|---|"]
 
-    def ratio(a: LevelResult | None, b: LevelResult | None) -> str:
-        return f"{a.rps * a.samples_per_request / (b.rps * b.samples_per_request):.2f}x" if a and b else "-"
+    def ratio(a: LevelResult | None, b: LevelResult | None) -> float | None:
+        """a's samples/s over b's."""
+        return a.rps * a.samples_per_request / (b.rps * b.samples_per_request) if a and b and b.rps else None
+
+    def target(name: str, value: float | None, goal: float, goal_text: str, shown: str = "", strict: bool = False,
+               unit: str = "x") -> None:
+        if value is None:
+            measured, verdict = "-", "not measured"
+        else:
+            measured = (f"{value:.0%}" if unit == "%" else f"{value:,.0f} req/s" if unit == "req/s" else
+                        f"{value:.2f}x") + (f" ({shown})" if shown else "")
+            verdict = "met" if (value > goal if strict else value >= goal) else "missed"
+        lines.append(f"| {name} | {measured} | {goal_text} | {verdict} |")
+
+    def best(key: str, targets: tuple[str, ...]) -> LevelResult | None:
+        return max((r for r in (_best(out[key], t) for t in targets) if r), key=lambda r: r.rps, default=None)
 
     raw, vox = _best(out["full"], "raw sink"), _best(out["full"], "voxserve")
-    lines.append(f"| full-batch FP32 vs raw gRPC ceiling (best level each) | "
-                 f"{vox.rps / raw.rps:.0%} ({vox.rps:.1f} vs {raw.rps:.1f} req/s) | >= 90 % |" if vox and raw else
-                 "| full-batch FP32 vs raw | - | >= 90 % |")
-    lines.append(f"| FP16 vs FP32 samples/s | {ratio(_best(out['fp16'], 'voxserve'), vox)} | >= 1.8x |")
-    lines.append(f"| shared memory vs raw gRPC ceiling, samples/s | {ratio(_best(out['shm'], 'voxserve'), raw)} | "
-                 ">= 5x (GPU box) |")
+    target("full-batch FP32 vs raw gRPC ceiling", vox.rps / raw.rps if vox and raw and raw.rps else None, 0.9,
+           ">= 90 %", f"{vox.rps:.1f} vs {raw.rps:.1f} req/s" if vox and raw else "", unit="%")
+    target("FP16 vs FP32 samples/s", ratio(_best(out["fp16"], "voxserve"), vox), 1.8, ">= 1.8x")
+    target("shared memory vs raw gRPC ceiling, samples/s", ratio(_best(out["shm"], "voxserve"), raw), 5.0,
+           ">= 5x (GPU box)")
     b1 = {r.target: r for r in out["batch1"]}
     fe = f"voxserve --frontends {args.frontends}"
     for server in ["voxserve", *([fe] if args.frontends else [])]:
         on, off = b1.get(server), b1.get(f"{server}, no batching")
         if on and off:
-            lines.append(f"| batch 1, c=64, `{server}`: batching vs none | {ratio(on, off)} ({on.rps:.0f} vs "
-                         f"{off.rps:.0f} req/s; p99 {on.percentile(99):.0f} vs {off.percentile(99):.0f} ms) | "
-                         ">= 4x, p99 stated |")
-    mls_full, mls_1 = _best(out["full"], "MLServer"), b1.get("MLServer")
-    best_full = max((r for r in (vox, _best(out["full"], fe)) if r), key=lambda r: r.rps, default=None)
-    best_1 = max((r for r in (b1.get("voxserve"), b1.get(fe)) if r), key=lambda r: r.rps, default=None)
-    lines.append(f"| vs MLServer (eager PyTorch), full batch | {ratio(best_full, mls_full)} | >= 2x |")
-    lines.append(f"| vs MLServer, batch 1 at c=64 | {ratio(best_1, mls_1)} | >= 2x |")
+            target(f"batch 1, c=64, `{server}`: batching vs none", ratio(on, off), 4.0, ">= 4x, p99 stated",
+                   f"{on.rps:.0f} vs {off.rps:.0f} req/s; p99 {on.percentile(99):.0f} vs {off.percentile(99):.0f} ms")
     voxserve_targets = ("voxserve", fe) if args.frontends else ("voxserve",)
-    shm_best = max((r for r in (_best(out["shm"], t) for t in voxserve_targets) if r), key=lambda r: r.rps,
-                   default=None)
+    best_full, best_1 = best("full", voxserve_targets), best("batch1", voxserve_targets)
+    target("vs MLServer (eager PyTorch), full batch", ratio(best_full, _best(out["full"], "MLServer")), 2.0, ">= 2x")
+    target("vs MLServer, batch 1 at c=64", ratio(best_1, b1.get("MLServer")), 2.0, ">= 2x")
+    shm_best = best("shm", voxserve_targets)
+    target("system shared memory, full batch", shm_best.rps if shm_best else None, 1600, ">= 1,600 req/s",
+           f"p99 {shm_best.percentile(99):.1f} ms" if shm_best else "", unit="req/s")
     cuda_best, cuda_1 = _best(out["cuda_shm"], "voxserve"), _best(out["cuda_shm_batch1"], "voxserve")
-    lines.append(f"| system shared memory, full batch | {f'{shm_best.rps:.0f} req/s' if shm_best else '-'} | "
-                 ">= 1,600 req/s |")
-    lines.append(f"| CUDA shared memory, full batch | {f'{cuda_best.rps:.0f} req/s' if cuda_best else '-'} | "
-                 ">= 5,000 req/s |")
-    lines.append(f"| batch 1 at c=64: CUDA shared memory vs the wire, in process | "
-                 f"{ratio(cuda_1, b1.get('voxserve'))} | >= 3x |")
+    target("CUDA shared memory, full batch", cuda_best.rps if cuda_best else None, 5000, ">= 5,000 req/s",
+           f"p99 {cuda_best.percentile(99):.1f} ms" if cuda_best else "", unit="req/s")
+    wire_1 = b1.get("voxserve")
+    target("batch 1 at c=64: CUDA shared memory vs the wire, in process", ratio(cuda_1, wire_1), 3.0, ">= 3x",
+           f"{cuda_1.rps:.0f} vs {wire_1.rps:.0f} req/s" if cuda_1 and wire_1 else "")
     for key in out:
-        if key.startswith("cuda"):  # (no Triton rows)
-            continue
-        targets = [f"{t}, REST binary" for t in voxserve_targets] if key.startswith("rest") else voxserve_targets
-        triton = f"{TRITON}, REST binary" if key.startswith("rest") else TRITON
-        ours = max((r for r in (_best(out[key], t) for t in targets) if r), key=lambda r: r.rps, default=None)
-        lines.append(f"| vs Triton, {titles[key][0].lower()}{titles[key][1:]} (best level each) | "
-                     f"{ratio(ours, _best(out[key], triton))} | > 1x |")
+        rest = key.startswith("rest")
+        ours = best(key, tuple(f"{t}, REST binary" for t in voxserve_targets) if rest else voxserve_targets)
+        theirs = _best(out[key], f"{TRITON}, REST binary" if rest else TRITON)
+        target(f"vs Triton, {titles[key][0].lower()}{titles[key][1:]}", ratio(ours, theirs), 1.0, "> 1x",
+               strict=True)
     return "\n".join(lines) + "\n"
 
 

@@ -8,7 +8,7 @@ percentiles per level, the first error of a level that had any (status and messa
 queue/compute split from ModelStatistics. It works against any Open Inference Protocol server (the report
 names the server from its ServerMetadata). ``--compare-raw`` sends the same bytes, in the same run, to a
 trivial sink server in another process: the gRPC transport's ceiling on this machine.
-Needs only grpcio, protobuf and numpy (matplotlib for --plot).
+Needs only grpcio, protobuf and numpy (matplotlib for --plot, cuda-bindings for --cuda-shared-memory).
 """
 
 from __future__ import annotations
@@ -41,6 +41,7 @@ from .client import (
     build_request,
     build_shm_request,
 )
+from .cuda import CudaBuffer, require_device
 from .security import PLAINTEXT, Credentials
 from .shm import SharedMemoryBuffer
 
@@ -510,15 +511,50 @@ def setup_shared_memory(url: str, x: np.ndarray, datatype: str, model: str,
 
 
 _shm_ids = itertools.count()
+CUDA_ALIGN_BYTES = 256  # where the output starts in the bench's CUDA region (cudaMalloc's own alignment)
 
 
-def _unregister(client: Client, region: str, patience_s: float = 10.0) -> None:
-    """Unregister a region, trying again for a while: Triton refuses while a request that used it is still being
-    released, which can be a moment after its answer came ("Cannot unregister ... it is currently in use")."""
+def setup_cuda_shared_memory(url: str, x: np.ndarray, datatype: str, model: str,
+                             credentials: Credentials = PLAINTEXT,
+                             device_id: int = 0) -> tuple[bytes, Callable[[], None]]:
+    """Put ``x`` in device memory of this process (cudaMalloc on ``device_id``, with room for the output after
+    it), register it as one CUDA shared-memory region, and return a serialised request whose input and output
+    lie there and a function that undoes it all. Needs cuda-bindings (``voxserve[cuda]``) and a CUDA device."""
+    require_device(device_id)  # before the server is asked anything: the reason is this process's
+    wire = to_wire(x, datatype)
+    tag = f"voxbench_cuda_{os.getpid()}_{next(_shm_ids)}"
+    with Client(url, model=model, credentials=credentials) as c:
+        out_bytes = 4 * x.shape[0] * c._output_width()
+        out_offset = -(-len(wire) // CUDA_ALIGN_BYTES) * CUDA_ALIGN_BYTES
+        buf = CudaBuffer(out_offset + out_bytes, device_id)
+        try:
+            buf.write(np.frombuffer(wire, np.uint8))
+            c.register_cuda_region(tag, buf.region)
+        except BaseException:
+            buf.close()
+            raise
+    payload = build_shm_request(tuple(x.shape), model, datatype, tag, output_region=tag, output_offset=out_offset,
+                                output_byte_size=out_bytes).SerializeToString()
+
+    def cleanup() -> None:
+        try:
+            with Client(url, model=model, credentials=credentials) as c:
+                _unregister(c, tag, cuda=True)
+        finally:
+            buf.close()
+
+    return payload, cleanup
+
+
+def _unregister(client: Client, region: str, patience_s: float = 10.0, cuda: bool = False) -> None:
+    """Unregister a region (``cuda``: a CUDA one), trying again for a while: Triton refuses while a request that
+    used it is still being released, which can be a moment after its answer came ("Cannot unregister ... it is
+    currently in use")."""
     deadline = time.monotonic() + patience_s
+    unregister = client.unregister_cuda_shared_memory if cuda else client.unregister_system_shared_memory
     while True:
         try:
-            client.unregister_system_shared_memory(region)
+            unregister(region)
             return
         except InferenceError:
             if time.monotonic() > deadline:
@@ -536,6 +572,10 @@ def main(args) -> int:
     cleanup = None
     if args.shared_memory:
         payload, cleanup = setup_shared_memory(args.url, x, args.dtype, args.model_name, creds)
+    elif args.cuda_shared_memory:
+        payload, cleanup = setup_cuda_shared_memory(args.url, x, args.dtype, args.model_name, creds,
+                                                    args.cuda_device)
+    memory = "system" if args.shared_memory else "cuda" if args.cuda_shared_memory else None
     levels = args.concurrency
     duration = None if args.requests else args.duration
     results: list[LevelResult] = []
@@ -560,11 +600,13 @@ def main(args) -> int:
                     results.append(asyncio.run(run_level(url, payload, args.batch, tensor_bytes, c, **common)))
     if args.json:
         print(json.dumps({"shape": list(shape), "dtype": args.dtype, "request_bytes": len(payload),
-                          "tensor_bytes": tensor_bytes, "shared_memory": bool(args.shared_memory), "server": server,
+                          "tensor_bytes": tensor_bytes, "shared_memory": bool(args.shared_memory),
+                          "cuda_shared_memory": bool(args.cuda_shared_memory), "server": server,
                           "streaming": bool(args.streaming),
                           "levels": [r.summary() for r in results]}, indent=2))
     else:
-        where = "in shared memory" if args.shared_memory else "in the message"
+        where = {"system": "in shared memory", "cuda": f"in CUDA shared memory (device {args.cuda_device})",
+                 None: "in the message"}[memory]
         how = ", on streams (ModelStreamInfer)" if args.streaming else ""
         print(f"server: {server or '(no ServerMetadata answer)'} at {args.url}")
         print(f"request: {shape} {args.dtype}: {format_bytes(tensor_bytes)} of input tensor {where}, "
@@ -574,7 +616,8 @@ def main(args) -> int:
         if errors:
             print(errors)
     if args.plot:
-        title = (f"{shape} {args.dtype}{', shared memory' if args.shared_memory else ''}"
+        kind = {None: "", "system": ", shared memory", "cuda": ", CUDA shared memory"}[memory]
+        title = (f"{shape} {args.dtype}{kind}"
                  f"{', streaming' if args.streaming else ''}\n{server or 'server'} at {args.url}, "
                  f"client on {socket.gethostname()}")
         plot(results, args.plot, title)

@@ -18,6 +18,7 @@ import numpy as np
 from voxserve.datatypes import INPUT_DATATYPES, ITEMSIZE, from_wire, to_wire
 from voxserve.proto import pb, pb_grpc
 
+from .cuda import CudaArray, CudaRegion, locate, synchronize
 from .security import PLAINTEXT, Credentials
 
 DEFAULT_MODEL = "voxnet"
@@ -150,6 +151,36 @@ class Client:
         where it lies and writes the output there."""
         self._call("CudaSharedMemoryRegister", pb.CudaSharedMemoryRegisterRequest(
             name=name, raw_handle=raw_handle, device_id=device_id, byte_size=byte_size))
+
+    def register_cuda_region(self, name: str, region: CudaRegion) -> None:
+        """Register a device allocation of this process (``CudaBuffer.region``, ``cuda.region_of``) as ``name``."""
+        self.register_cuda_shared_memory(name, region.raw_handle, region.device_id, region.byte_size)
+
+    def register_cuda_array(self, name: str, array: Any) -> CudaArray:
+        """Register the device allocation that ``array`` lies in (a torch CUDA tensor, or anything with
+        ``__cuda_array_interface__``; C-contiguous) as region ``name``, and return where the array lies in it: for
+        ``infer_cuda`` as an input or an output. The whole allocation is registered (a server maps allocations),
+        so arrays in one allocation may share one region: register one, ``cuda.locate(other, name)`` the others.
+        Needs cuda-bindings (``voxserve[cuda]``)."""
+        region, where = locate(array, name)
+        self.register_cuda_region(name, region)
+        return where
+
+    def infer_cuda(self, input: CudaArray, output: CudaArray | None = None, *,
+                   synchronize_device: bool = True) -> np.ndarray | None:
+        """Infer on an input in a registered CUDA region (``register_cuda_array``); the output is written into
+        ``output`` (an FP32 array of N x Cout in a registered region; then None is returned), or comes back in the
+        response. ``synchronize_device``: first wait for this process's work on the device, so that what was
+        written into the input (on any stream) is there when the server reads it."""
+        if output is not None and output.datatype != "FP32":
+            raise ValueError(f"the output is FP32; the output array is {output.datatype}")
+        if synchronize_device:
+            synchronize(input.device_id)
+        return self.infer_shared_memory(
+            input.shape, input.region, datatype=input.datatype, input_offset=input.offset,
+            output_region=None if output is None else output.region,
+            output_offset=0 if output is None else output.offset,
+            output_byte_size=None if output is None else output.byte_size)
 
     def unregister_cuda_shared_memory(self, name: str = "") -> None:
         """Unregister one CUDA region, or all of them when name is empty (the server unmaps each once the

@@ -149,8 +149,14 @@ def build_parser() -> argparse.ArgumentParser:
     limit = bench.add_mutually_exclusive_group()
     limit.add_argument("--duration", type=float, default=10.0, help="seconds per level [default: %(default)s]")
     limit.add_argument("--requests", type=int, default=None, help="requests per level (instead of --duration)")
-    bench.add_argument("--shared-memory", action="store_true",
-                       help="put input and output in system shared memory (client and server on one host)")
+    memory = bench.add_mutually_exclusive_group()
+    memory.add_argument("--shared-memory", action="store_true",
+                        help="put input and output in system shared memory (client and server on one host)")
+    memory.add_argument("--cuda-shared-memory", action="store_true",
+                        help="put input and output in CUDA shared memory: device memory of the bench's own, "
+                        "exported by CUDA IPC (client and server on one host; needs voxserve[cuda])")
+    bench.add_argument("--cuda-device", type=int, default=0,
+                       help="the device of --cuda-shared-memory's memory [default: %(default)s]")
     bench.add_argument("--connections", type=int, default=1,
                        help="connections the workers share (a server with --replicas serves each connection "
                        "on one replica) [default: %(default)s]")
@@ -254,10 +260,14 @@ def _credentials(args: argparse.Namespace):
 
 def _bench(args: argparse.Namespace) -> int:
     from voxserve.client.bench import main as bench_main
+    from voxserve.client.cuda import CudaError
 
     args.dtype = CLI_DTYPES[args.dtype]
     args.credentials = _credentials(args)
-    return bench_main(args)
+    try:
+        return bench_main(args)
+    except CudaError as exc:  # no cuda-bindings, no GPU, memory CUDA would not give or export
+        raise UsageError(f"--cuda-shared-memory: {exc}") from None
 
 
 def _kernel(args: argparse.Namespace) -> int:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import sys
 import time
 
 import pytest
@@ -123,3 +124,52 @@ def test_bench_on_a_stream_the_server_ends_fails_fast(tmp_path, capsys):
     assert rc == 1
     level = json.loads(capsys.readouterr().out)["levels"][0]
     assert level["errors"] == 9 and level["requests"] == 0
+
+
+def test_bench_over_cuda_shared_memory(capsys, monkeypatch):
+    """--cuda-shared-memory: input and output in one CUDA region of the bench's own (cuda-bindings faked over a
+    server's fake device layer), only the request's description on the wire, the region unregistered and freed
+    at the end."""
+    from voxserve.client import Client, cuda
+    from voxserve.testing.fake_devicemem import FakeDeviceMemory
+
+    from ..fake_cuda import FakeCuda, FakeLayerServer
+
+    memory = FakeDeviceMemory(2)
+    fake = FakeCuda(memory, devices=2)
+    monkeypatch.setattr(cuda, "_modules", fake.modules)
+    srv = FakeLayerServer(memory)
+    try:
+        assert srv.wait_ready(), srv.server.load_error
+        rc = main(["bench", "--url", srv.url, "--batch", "2", "--shape", "3,4,5,6", "--concurrency", "1,3",
+                   "--requests", "6", "--cuda-shared-memory", "--cuda-device", "1", "--json"])
+        assert rc == 0
+        report = json.loads(capsys.readouterr().out)
+        assert report["cuda_shared_memory"] is True and report["shared_memory"] is False
+        for level in report["levels"]:
+            assert level["requests"] == 6 and level["errors"] == 0, level["first_error"]
+        assert report["request_bytes"] < 1000 < report["tensor_bytes"]
+        assert memory.opens > 0 and memory.mapped == 0  # the server mapped it, and unmapped it at the unregister
+        assert not fake.allocations and fake.devices_used == {1} and fake.current == 0  # on device 1, freed
+        with Client(srv.url) as c:
+            assert c.cuda_shared_memory_status() == {}
+        assert main(["bench", "--url", srv.url, "--batch", "2", "--shape", "3,4,5,6", "--concurrency", "1",
+                     "--requests", "2", "--cuda-shared-memory"]) == 0
+        assert "of input tensor in CUDA shared memory (device 0)" in capsys.readouterr().out
+    finally:
+        srv.stop()
+
+
+def test_bench_cuda_shared_memory_refusals(server, capsys, monkeypatch):
+    from voxserve.client import cuda
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["bench", "--url", server.url, "--shared-memory", "--cuda-shared-memory"])
+    assert exit_.value.code == 2
+    assert "--cuda-shared-memory: not allowed with argument --shared-memory" in capsys.readouterr().err
+    monkeypatch.setattr(cuda, "_modules", None)
+    monkeypatch.setitem(sys.modules, "cuda", None)  # cuda-bindings not installed
+    assert main(["bench", "--url", server.url, "--cuda-shared-memory", "--requests", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "--cuda-shared-memory: CUDA shared memory needs cuda-bindings" in err and "voxserve[cuda]" in err
+    assert "Traceback" not in err

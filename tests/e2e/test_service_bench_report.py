@@ -1,0 +1,59 @@
+"""bench/service_bench.py's report: Triton's rows in the CUDA shared-memory tables beside voxserve's, and each of
+the targets stated as met, missed or not measured from the rows it has."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+from pathlib import Path
+
+import pytest
+
+from voxserve.client.bench import LevelResult
+
+BENCH = Path(__file__).resolve().parents[2] / "bench"
+
+
+@pytest.fixture
+def service_bench(monkeypatch):
+    monkeypatch.syspath_prepend(str(BENCH))  # (it imports its neighbours: rest_load, triton_peer)
+    return importlib.import_module("service_bench")
+
+
+def _row(target: str, rps: float, samples: int, concurrency: int) -> LevelResult:
+    seconds = 2.0
+    return LevelResult(target, concurrency, int(rps * seconds), 0, seconds, samples, samples * 196608,
+                       latencies_ms=[1.0, 2.0, 3.0])
+
+
+def _targets(text: str) -> dict[str, tuple[str, str]]:
+    """{target: (measured, verdict)} of the report's targets table."""
+    table = text.split("## Against the targets", 1)[1]
+    rows = [line.split(" | ") for line in table.splitlines() if line.startswith("| ") and "---" not in line]
+    return {cells[0][2:]: (cells[1], cells[3].rstrip(" |")) for cells in rows[1:]}
+
+
+def test_the_report_says_which_targets_the_rows_meet(service_bench):
+    args = argparse.Namespace(batch=128, duration=3.0, frontends=0)
+    out = {key: [] for key in ("full", "fp16", "shm", "cuda_shm", "batch1", "cuda_shm_batch1", "rest_full",
+                               "rest_batch1")}
+    out["full"] += [_row("raw sink", 100, 128, 1), _row("voxserve", 95, 128, 1), _row("Triton", 50, 128, 1)]
+    out["shm"] += [_row("voxserve", 1700, 128, 4), _row("Triton", 90, 128, 4)]
+    out["cuda_shm"] += [_row("voxserve", 4000, 128, 1), _row("voxserve", 5200, 128, 4), _row("Triton", 300, 128, 4)]
+    out["batch1"] += [_row("voxserve", 10000, 1, 64), _row("Triton", 6000, 1, 64)]
+    out["cuda_shm_batch1"] += [_row("voxserve", 25000, 1, 64), _row("Triton", 30000, 1, 64)]
+    text = service_bench.render(args, out, "test GPU", 10.0, [])
+    assert "## Full batch in CUDA shared memory (the client's GPU memory)" in text
+    cuda_table = text.split("## Full batch in CUDA shared memory", 1)[1].split("##", 1)[0]
+    assert "| Triton | 4 | 300.0 |" in cuda_table and "| voxserve | 4 | 5200.0 |" in cuda_table
+    targets = _targets(text)
+    assert targets["CUDA shared memory, full batch"] == ("5,200 req/s (p99 3.0 ms)", "met")  # the best level
+    assert targets["batch 1 at c=64: CUDA shared memory vs the wire, in process"] == (
+        "2.50x (25000 vs 10000 req/s)", "missed")
+    assert targets["vs Triton, full batch in CUDA shared memory (the client's GPU memory)"] == ("17.33x", "met")
+    assert targets["vs Triton, batch 1 in CUDA shared memory at concurrency 64"] == ("0.83x", "missed")
+    assert targets["system shared memory, full batch"][1] == "met"
+    assert targets["vs Triton, full batch in system shared memory"][1] == "met"
+    assert targets["full-batch FP32 vs raw gRPC ceiling"] == ("95% (95.0 vs 100.0 req/s)", "met")
+    assert targets["FP16 vs FP32 samples/s"] == ("-", "not measured")
+    assert targets["vs MLServer, batch 1 at c=64"] == ("-", "not measured")
