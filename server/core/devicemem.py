@@ -21,6 +21,9 @@ from typing import Any, Protocol
 import numpy as np
 
 HANDLE_BYTES = 64  # CUDA_IPC_HANDLE_SIZE: a cudaIpcMemHandle_t, sent raw over gRPC
+# cudaMalloc aligns every allocation at least this far, and a real handle maps its allocation's start; a forged one
+# (its offset bytes changed) can map a misaligned address inside it, where a read faults and poisons the context.
+ALLOCATION_ALIGNMENT = 256
 
 # CUDA's errors for a handle that does not open (cuda_runtime_api.h, cudaIpcOpenMemHandle), as the client is told.
 _OPEN_REASONS = {

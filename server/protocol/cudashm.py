@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..core.devicemem import (
+    ALLOCATION_ALIGNMENT,
     HANDLE_BYTES,
     DeviceArray,
     DeviceMemory,
@@ -94,6 +95,14 @@ class Lease:
         return not self._release.alive
 
 
+def check_aligned(offset: int, dtype: np.dtype, what: str) -> None:
+    """A tensor in device memory starts on a whole element (regions start on ALLOCATION_ALIGNMENT): the kernel's
+    loads of a misaligned element fault, and that error would end every request on the device."""
+    if offset % dtype.itemsize:
+        raise invalid(f"{what}: offset {offset} in a CUDA shared-memory region is not a multiple of {dtype.itemsize} "
+                      f"bytes, the size of one element")
+
+
 class CudaSharedMemoryRegistry:
     """The registered CUDA regions of this process (with ``shared_dir``: of every replica; see the module's text).
 
@@ -136,6 +145,10 @@ class CudaSharedMemoryRegistry:
         try:
             mapping = await self._open(name, bytes(raw_handle), device_id)
             try:
+                if mapping.address % ALLOCATION_ALIGNMENT:
+                    raise invalid(f"region {name!r}: raw_handle maps an address {mapping.address - mapping.base} "
+                                  f"bytes into a device allocation, not the start of one (not a handle "
+                                  f"cudaIpcGetMemHandle gives)")
                 if byte_size > mapping.size:
                     raise invalid(f"region {name!r}: byte_size {byte_size} exceeds the {mapping.size} bytes of the "
                                   f"device allocation that raw_handle maps")
@@ -252,6 +265,7 @@ class CudaSharedMemoryRegistry:
         open while the tensor, or an execution reading it, is alive, or until the lease is released (once
         nothing reads the tensor any more). Errors as ``lease``'s."""
         nbytes = math.prod(shape) * dtype.itemsize  # exact: Python integers
+        check_aligned(offset, dtype, what)
         lease = self.lease(name, offset, nbytes, what)
         if lease.host:
             return host_view(lease.address, shape, dtype, lease), lease
@@ -282,10 +296,12 @@ class CudaSharedMemoryRegistry:
         except DeviceMemoryError as exc:
             raise invalid(f"{what}: CUDA shared-memory region {region.name!r} does not open in this server process "
                           f"any more: {exc.reason}; register it again") from None
-        if region.byte_size > mapping.size:  # checked at registration, in another process: the memory changed
+        # Checked at registration, in another process: the memory changed.
+        if mapping.address % ALLOCATION_ALIGNMENT or region.byte_size > mapping.size:
             self._close(region.name, mapping)
-            raise invalid(f"{what}: CUDA shared-memory region {region.name!r} now maps {mapping.size} bytes, fewer "
-                          f"than its byte_size {region.byte_size}; register it again")
+            raise invalid(f"{what}: CUDA shared-memory region {region.name!r} now maps {mapping.size} bytes at "
+                          f"{mapping.address - mapping.base} bytes into an allocation, not the {region.byte_size} "
+                          f"bytes at its start it was registered with; register it again")
         return mapping
 
     def _release(self, region: CudaRegion) -> None:

@@ -30,7 +30,7 @@ from voxserve.datatypes import INPUT_DATATYPES
 from ..core.batching import BatchingConfig, BatchResult, QueueFull
 from ..core.devicemem import DeviceArray, DeviceMemoryError, Mapping, RegionTensor
 from ..core.errors import ServingError, Status, exhausted
-from ..protocol.cudashm import CudaSharedMemoryRegistry
+from ..protocol.cudashm import CudaSharedMemoryRegistry, check_aligned
 from ..protocol.shm import SharedMemoryRegistry
 from . import ipc
 
@@ -319,6 +319,7 @@ class EngineCudaSharedMemory(CudaSharedMemoryRegistry):
              what: str) -> tuple[RegionTensor, None]:
         """The tensor by region and offset, once it lies inside the region (the engine checks again when it reads
         it: the region may change meanwhile); no lease here (the engine's read holds one)."""
+        check_aligned(offset, dtype, what)
         with self._locked():
             region = self._slice(name, offset, math.prod(shape) * dtype.itemsize, what)
         return RegionTensor(name, offset, tuple(shape), dtype, region.device_id), None

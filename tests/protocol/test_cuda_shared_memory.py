@@ -187,6 +187,35 @@ def test_byte_size_is_checked_against_the_allocations_real_extent():
     asyncio.run(reg.register("r", handle, 0, 1000))
 
 
+@pytest.mark.parametrize("inside", [1, 2, 4, 16, 128])
+def test_a_forged_handle_that_maps_a_misaligned_address_inside_an_allocation_is_refused(inside):
+    """A handle with its offset bytes changed opens (the driver maps that address inside the exporter's allocation,
+    seen on an H200), and a read at a misaligned address faults the kernel and poisons the device for every client.
+    A real handle maps its allocation's start, which cudaMalloc aligns to 256 bytes: anything else is refused."""
+    fake, reg = _registry()
+    code, message = _status(reg.register, "r", fake.export(4096, inside=inside), 0, 64)
+    assert code == Status.INVALID_ARGUMENT and f"{inside} bytes into a device allocation" in message, message
+    assert reg.status("") == [] and fake.mapped == 0  # opened to be looked at, closed again
+    asyncio.run(reg.register("r", fake.export(4096, inside=256), 0, 64))  # aligned: the client's own memory
+
+
+@pytest.mark.parametrize(("dtype", "offset", "refused"), [
+    (np.float32, 2, True), (np.float32, 6, True), (np.float32, 4, False),
+    (np.float16, 1, True), (np.float16, 2, False), (np.uint16, 3, True)])
+def test_tensors_in_a_region_start_on_a_whole_element(dtype, offset, refused):
+    fake, reg = _registry()
+    asyncio.run(reg.register("r", fake.export(4096), 0, 4096))
+    dtype = np.dtype(dtype)
+    if refused:
+        code, message = _status(reg.read, "r", offset, (1, 3, 4, 4, 4), dtype, "input 'input'")
+        assert code == Status.INVALID_ARGUMENT and f"offset {offset}" in message
+        assert f"multiple of {dtype.itemsize} bytes" in message
+    else:
+        tensor, lease = reg.read("r", offset, (1, 3, 4, 4, 4), dtype, "input 'input'")
+        assert tensor.ctypes.data % dtype.itemsize == 0
+        lease.release()
+
+
 @pytest.mark.parametrize("device_id", [-1, 2, 3, (1 << 63) - 1, -(1 << 63)])
 def test_device_ids_out_of_range(device_id):
     fake, reg = _registry(devices=2)

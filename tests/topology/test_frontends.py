@@ -381,6 +381,11 @@ def test_cuda_regions_through_a_front_end_are_mapped_read_and_written_by_the_eng
                 front.read("r", out_bytes + 4, x.shape, f32, "input 'input'")
             assert err.value.code == Status.INVALID_ARGUMENT and "outside" in err.value.message
             with pytest.raises(ServingError) as err:
+                front.read("r", 2, x.shape, f32, "input 'input'")  # not on a whole element
+            assert err.value.code == Status.INVALID_ARGUMENT and "multiple of 4 bytes" in err.value.message
+            forged = await refused(front.register("f", fake.export(4096, inside=4), 0, 64))
+            assert forged.code == Status.INVALID_ARGUMENT and "not the start of one" in forged.message
+            with pytest.raises(ServingError) as err:
                 front.read("nope", 0, x.shape, f32, "input 'input'")
             assert err.value.code == Status.NOT_FOUND
             assert (await refused(front.store("r", x.nbytes + 8, bytes(out_bytes), "output"))).code \

@@ -14,14 +14,18 @@ import os
 import threading
 from dataclasses import dataclass
 
+from voxserve.server.core.devicemem import ALLOCATION_ALIGNMENT as ALIGNMENT
 from voxserve.server.core.devicemem import HANDLE_BYTES, DeviceMemoryError, Mapping
 
 
 @dataclass
 class _Export:
-    buffer: ctypes.Array  # the "allocation"
+    buffer: ctypes.Array  # the "allocation": ``size`` bytes from ``start`` (aligned as cudaMalloc aligns)
+    start: int
+    size: int
     device: int
     own_process: bool  # exported by the importing process itself: the driver refuses those
+    inside: int = 0  # a forged handle's: it maps this many bytes past the allocation's start
     freed: bool = False
 
 
@@ -41,13 +45,18 @@ class FakeDeviceMemory:
 
     # --- the exporter's side ---------------------------------------------------------------------
 
-    def export(self, data: bytes | int, device: int = 0, own_process: bool = False) -> bytes:
-        """A handle of a new allocation holding ``data`` (or that many zero bytes) on ``device``."""
-        buffer = (ctypes.create_string_buffer(data, len(data)) if isinstance(data, bytes)
-                  else ctypes.create_string_buffer(data))
+    def export(self, data: bytes | int, device: int = 0, own_process: bool = False, inside: int = 0) -> bytes:
+        """A handle of a new allocation holding ``data`` (or that many zero bytes) on ``device``, starting on a
+        ``ALIGNMENT`` boundary as cudaMalloc's do. ``inside``: a forged handle (its offset field changed) that maps
+        that many bytes into the allocation, as the driver does with one."""
+        size = len(data) if isinstance(data, bytes) else data
+        buffer = ctypes.create_string_buffer(size + ALIGNMENT)
+        start = -ctypes.addressof(buffer) % ALIGNMENT
+        if isinstance(data, bytes):
+            ctypes.memmove(ctypes.addressof(buffer) + start, data, size)
         handle = os.urandom(HANDLE_BYTES)
         with self._lock:
-            self._exports[handle] = _Export(buffer, device, own_process)
+            self._exports[handle] = _Export(buffer, start, size, device, own_process, inside)
         return handle
 
     def free(self, handle: bytes) -> None:
@@ -58,7 +67,8 @@ class FakeDeviceMemory:
 
     def contents(self, handle: bytes) -> bytes:
         """What the allocation holds now."""
-        return self._exports[handle].buffer.raw
+        export = self._exports[handle]
+        return export.buffer.raw[export.start : export.start + export.size]
 
     @property
     def mapped(self) -> int:
@@ -81,10 +91,11 @@ class FakeDeviceMemory:
                 raise DeviceMemoryError("it is not a live CUDA IPC handle", "cudaErrorInvalidResourceHandle")
             if export.own_process:
                 raise DeviceMemoryError("it was exported by the server's own process", "cudaErrorDeviceUninitialized")
-            address = ctypes.addressof(export.buffer)
+            base = ctypes.addressof(export.buffer) + export.start
+            address = base + export.inside
             self._open[address] = self._open.get(address, 0) + 1
             self.opens += 1
-        return Mapping(address, len(export.buffer), address, export.device, device, host=True)
+        return Mapping(address, export.size - export.inside, base, export.device, device, host=True)
 
     def close(self, mapping: Mapping) -> None:
         with self._lock:
