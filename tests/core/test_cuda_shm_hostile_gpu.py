@@ -185,12 +185,15 @@ def test_garbage_handles_are_refused(gpu_server, healthy, client):
 
 
 def test_a_live_handle_with_one_byte_flipped(gpu_server, healthy, hostile, client):
-    """Each of the 64 bytes of a live handle flipped in turn: refused, or (where the driver ignores that byte) the
-    same memory of the same client, read correctly; never anything else."""
+    """Each of the 64 bytes of a live handle flipped in turn: refused, or (where the driver ignores that byte, or
+    maps another aligned place of the same allocation) memory of the same client, read as the model reads any
+    bytes: an answer whose rows are distributions, or INVALID_ARGUMENT; never the device's end. (A flip of the
+    handle's offset bytes maps a misaligned address inside the allocation: refused at registration, else the
+    kernel's read faults and every client loses the device.)"""
     counted = _CudaBytes(gpu_server)
     x = _x()
     memory = hostile.alloc(x.nbytes, x.tobytes())
-    opened = []
+    opened, same = [], []
     for position in range(HANDLE_BYTES):
         forged = bytearray(memory.handle)
         forged[position] ^= 0xFF
@@ -198,17 +201,42 @@ def test_a_live_handle_with_one_byte_flipped(gpu_server, healthy, hostile, clien
         assert code in (INVALID, OK), f"byte {position}: {code}"
         if code == OK:
             opened.append(position)
-            _assert_exact(client.infer_shared_memory(x.shape, "flipped"), x)
-            counted.expect(x.nbytes)
+            try:
+                y = client.infer_shared_memory(x.shape, "flipped")
+            except InferenceError as exc:
+                assert exc.code == INVALID, f"byte {position}: {exc}"
+            else:
+                counted.expect(x.nbytes)
+                assert np.isfinite(y).all() and np.allclose(y.sum(axis=1), 1.0, atol=1e-4), f"byte {position}"
+                w, b = reference_weights()
+                if relative_error(torch.from_numpy(y), reference_float64(torch.from_numpy(x), w, b)) <= 1e-5:
+                    same.append(position)
             client.unregister_cuda_shared_memory("flipped")
         _refused(NOT_FOUND, lambda: client.cuda_shared_memory_status("flipped"))
-    print(f"positions whose flip still opened the client's memory: {opened}")
+    print(f"positions whose flip still opened the client's memory: {opened}; at the same place: {same}")
     assert len(opened) < HANDLE_BYTES  # the handle's bytes are checked at all
     # the genuine handle still opens, and reads the client's bytes
     client.register_cuda_shared_memory("genuine", memory.handle, 0, x.nbytes)
     _assert_exact(client.infer_shared_memory(x.shape, "genuine"), x)
     counted.expect(x.nbytes)
     client.unregister_cuda_shared_memory("genuine")
+    counted.check()
+    _assert_still_serving(gpu_server, healthy)
+
+
+def test_tensors_that_do_not_start_on_a_whole_element(gpu_server, healthy, hostile, client):
+    """An input at an offset that is no multiple of its element's size would fault the kernel's loads: refused
+    INVALID_ARGUMENT; the same tensor on a whole element is read exactly."""
+    counted = _CudaBytes(gpu_server)
+    x = _x()
+    memory = hostile.alloc(x.nbytes + 16, bytes(4) + x.tobytes())
+    client.register_cuda_shared_memory("misaligned", memory.handle, 0, memory.size)
+    for offset in (1, 2, 3, 6):
+        err = _refused(INVALID, lambda o=offset: client.infer_shared_memory(x.shape, "misaligned", input_offset=o))
+        assert "multiple of 4 bytes" in err.message
+    _assert_exact(client.infer_shared_memory(x.shape, "misaligned", input_offset=4), x)
+    counted.expect(x.nbytes)
+    client.unregister_cuda_shared_memory("misaligned")
     counted.check()
     _assert_still_serving(gpu_server, healthy)
 
