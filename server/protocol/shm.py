@@ -126,7 +126,7 @@ class SharedMemoryRegistry:
         self._warned = False  # a refused page-lock is logged once
         # Inputs by how they were read, ever (the copy-count tests read them): private copies, views in place.
         self.copies = self.copied_bytes = 0
-        self.in_place = self.in_place_bytes = 0
+        self.in_place_reads = self.in_place_bytes = 0
         # Where read() puts an input: numpy memory by default (whose release the budget of copies in flight sees,
         # server/protocol/inference.py); a GPU server installs a pinned-memory allocator
         # so that the one copy out of the client's segment is also the one the GPU copies from.
@@ -361,7 +361,7 @@ class SharedMemoryRegistry:
                 if pinned is None:
                     return None
             pinned.in_use += 1
-            self.in_place += 1
+            self.in_place_reads += 1
             self.in_place_bytes += byte_size
         lease = Lease(functools.partial(self._releases.end, pinned))
         buffer = (ctypes.c_char * byte_size).from_address(pinned.map.address + start - region.offset)
@@ -419,6 +419,17 @@ class SharedMemoryRegistry:
             log.exception("shared-memory region %r: unlocking its mapping failed", pinned.region)
         finally:
             unmap_segment(pinned.map)
+
+    def in_place(self, array: object) -> bool:
+        """Whether ``array`` lies in one of this process's page-locked mappings: an input read in place, not a copy
+        (the budget of copies in flight, server/protocol/inference.py, has nothing to bound for it)."""
+        if self.locker is None or not isinstance(array, np.ndarray):
+            return False
+        address = array.__array_interface__["data"][0]
+        with self._releases.locked():
+            maps = [r.pinned.map for r in self._regions.values() if r.pinned is not None]
+            maps += [p.map for p in self._draining]
+        return any(m.base <= address < m.base + m.length for m in maps)
 
     @property
     def pinned_bytes(self) -> int:

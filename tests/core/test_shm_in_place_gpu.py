@@ -72,7 +72,7 @@ def gpu_server():
 
 def _counts(srv) -> tuple[int, int, int, int]:
     registry, pipeline = srv.server.shm, srv.server.state.runner.model.pipeline
-    return registry.copies, registry.in_place, pipeline.staged_bytes, pipeline.direct_bytes
+    return registry.copies, registry.in_place_reads, pipeline.staged_bytes, pipeline.direct_bytes
 
 
 @pytest.mark.parametrize("datatype", ["FP32", "FP16", "BF16"])

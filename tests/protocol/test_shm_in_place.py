@@ -73,7 +73,9 @@ def test_an_input_is_a_read_only_view_of_the_locked_mapping_not_a_copy():
         assert registry.pinned_bytes == 9100
         data = registry.read("r", 0, 9000, "input 'x'")  # what codec.decode_request calls
         assert np.array_equal(np.frombuffer(data, np.uint8), DATA[100:9100])
-        assert registry.copies == 0 and registry.in_place == 2 and registry.in_place_bytes == 14000
+        assert registry.copies == 0 and registry.in_place_reads == 2 and registry.in_place_bytes == 14000
+        assert registry.in_place(view[10:]) and registry.in_place(np.frombuffer(data, np.uint8))
+        assert not registry.in_place(DATA) and not registry.in_place(b"bytes")
         assert locker.locks == 1  # one mapping per region and process, however many reads
         lease.release()
         del view, data
@@ -174,7 +176,7 @@ def test_a_refused_page_lock_falls_back_to_a_private_copy_with_one_warning(caplo
             assert registry.pinned(name, 0, 4096, "input 'x'") is None
         data = registry.read("b", 0, 4096, "input 'x'")
         assert bytes(data) == DATA[4096:8192].tobytes()
-        assert registry.copies == 1 and registry.in_place == 0 and locker.locked == {}
+        assert registry.copies == 1 and registry.in_place_reads == 0 and locker.locked == {}
         warnings = [r for r in caplog.records if "page-locking" in r.getMessage()]
         assert len(warnings) == 1, [r.getMessage() for r in warnings]
     registry.close()
@@ -293,7 +295,7 @@ def test_an_array_in_a_dma_only_range_is_never_read_on_the_host(monkeypatch):
 
 def test_a_server_with_a_page_locker_serves_inputs_in_place_without_copies():
     """The whole protocol path on the CPU with the fake page-locker (the CPU model reads the view: fine here, the
-    segment is never truncated; a GPU server only DMAs it, tests/protocol/test_shm_in_place_gpu.py)."""
+    segment is never truncated; a GPU server only DMAs it, tests/core/test_shm_in_place_gpu.py)."""
     rng = torch.Generator().manual_seed(11)
     x = torch.randn(SHAPE, generator=rng).numpy()
     with running_server() as srv, _segment(x.tobytes()) as (key, path):
@@ -305,7 +307,7 @@ def test_a_server_with_a_page_locker_serves_inputs_in_place_without_copies():
             c.register_system_shared_memory("in", key, x.nbytes)
             y = c.infer_shared_memory(SHAPE, "in")
             assert relative_error(torch.from_numpy(y), reference_float64(torch.from_numpy(x), W, B)) <= 1e-5
-            assert registry.copies == 0 and registry.in_place == 1 and locker.locks == 1
+            assert registry.copies == 0 and registry.in_place_reads == 1 and locker.locks == 1
             gc.collect()
             assert registry.draining == 0
             os.truncate(path, 8)
@@ -315,3 +317,29 @@ def test_a_server_with_a_page_locker_serves_inputs_in_place_without_copies():
             c.unregister_system_shared_memory()
             gc.collect()
             assert locker.locked == {}
+
+
+def test_an_input_read_in_place_takes_nothing_from_the_budget_of_copies():
+    """--max-shm-inflight-bytes bounds private copies in flight: an input read in place holds none of it while it
+    runs (one request after another: each one's hold is all the budget could show)."""
+    x = torch.randn(SHAPE, generator=torch.Generator().manual_seed(5)).numpy()
+    with running_server(max_shm_inflight_bytes=x.nbytes) as srv, _segment(x.tobytes()) as (key, _):
+        assert srv.wait_ready(), srv.server.load_error
+        srv.server.shm.locker = FakePageLocker()
+        budget, runner = srv.server.service.shm_budget, srv.server.state.runner
+        seen = []
+        run = runner.run
+
+        def noting(arr, datatype, timeout_s=None):  # what the budget holds as each request starts executing
+            seen.append(budget.used)
+            return run(arr, datatype, timeout_s)
+
+        runner.run = noting
+        with Client(srv.url) as c:
+            c.register_system_shared_memory("in", key, x.nbytes)
+            ys = [c.infer_shared_memory(SHAPE, "in") for _ in range(4)]
+            c.unregister_system_shared_memory()
+        ref = reference_float64(torch.from_numpy(x), W, B)
+        assert all(relative_error(torch.from_numpy(y), ref) <= 1e-5 for y in ys)
+        assert seen == [0, 0, 0, 0] and budget.used == 0
+        assert srv.server.shm.copies == 0
