@@ -25,6 +25,9 @@ from typing import Protocol
 # cudaHostRegister's flags (cuda_runtime_api.h)
 HOST_REGISTER_PORTABLE = 0x01  # page-locked for every CUDA context, not only the current device's
 HOST_REGISTER_READ_ONLY = 0x08  # the device only reads it: a PROT_READ mapping can be registered
+# cudaDeviceAttr values (driver_types.h)
+_ATTR_HOST_REGISTER_SUPPORTED = 99
+_ATTR_PAGEABLE_MEMORY_ACCESS_USES_HOST_PAGE_TABLES = 100
 
 
 class HostMemoryError(Exception):
@@ -103,7 +106,11 @@ class CudaPageLocker:
     cudaHostUnregister; a locked range is registered with the pipeline as page-locked and DMA-only (it DMAs
     requests from it in place, and refuses to copy from it on the CPU). The runtime is the one torch loaded; the
     last-error a refusal records is cleared here (torch checks cudaGetLastError after its launches, and would
-    blame the next one on this thread)."""
+    blame the next one on this thread).
+
+    It refuses every lock (the registry then copies) on a device that cannot register host memory, or that reads
+    registered memory through the host's page tables (there cudaHostRegister pins nothing, and a segment truncated
+    under a DMA would fault the device instead of leaving it the pages locked at registration)."""
 
     def __init__(self) -> None:
         import torch
@@ -117,11 +124,28 @@ class CudaPageLocker:
         self._rt.cudaHostUnregister.argtypes = [ctypes.c_void_p]
         self._rt.cudaGetErrorName.restype = ctypes.c_char_p
         self._rt.cudaGetErrorName.argtypes = [ctypes.c_int]
+        self._rt.cudaDeviceGetAttribute.argtypes = [ctypes.POINTER(ctypes.c_int), ctypes.c_int, ctypes.c_int]
+        self.refusal = ""  # why every lock is refused ('' when none is)
+        for device in range(torch.cuda.device_count()):
+            if not self._attribute(_ATTR_HOST_REGISTER_SUPPORTED, device):
+                self.refusal = f"device {device} cannot register host memory (cudaDevAttrHostRegisterSupported 0)"
+            elif self._attribute(_ATTR_PAGEABLE_MEMORY_ACCESS_USES_HOST_PAGE_TABLES, device):
+                self.refusal = (f"device {device} reads host memory through the host's page tables "
+                                f"(cudaDevAttrPageableMemoryAccessUsesHostPageTables): nothing would be page-locked")
+
+    def _attribute(self, attribute: int, device: int) -> int:
+        value = ctypes.c_int(0)
+        if self._rt.cudaDeviceGetAttribute(ctypes.byref(value), attribute, device) != 0:
+            self._rt.cudaGetLastError()
+            return 0
+        return value.value
 
     def _name(self, code: int) -> str:
         return f"{self._rt.cudaGetErrorName(code).decode()} ({code})"
 
     def lock(self, address: int, nbytes: int, read_only: bool) -> None:
+        if self.refusal:
+            raise HostMemoryError(self.refusal)
         flags = HOST_REGISTER_PORTABLE | (HOST_REGISTER_READ_ONLY if read_only else 0)
         code = self._rt.cudaHostRegister(address, nbytes, flags)
         if code != 0:

@@ -78,6 +78,7 @@ def gpu_server():
     with running_server(device="cuda") as srv:
         assert srv.wait_ready(), srv.server.load_error
         assert isinstance(srv.server.shm.locker, CudaPageLocker), "a GPU server reads system shm in place"
+        assert not srv.server.shm.locker.refusal, srv.server.shm.locker.refusal
         yield srv
 
 
