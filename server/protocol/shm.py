@@ -391,9 +391,10 @@ class SharedMemoryRegistry:
         region.copied = True
         if not self._warned:
             self._warned = True
-            log.warning("page-locking shared-memory region %r (%d bytes) failed: %s; its inputs, and those of any "
-                        "other region refused, are copied before the GPU reads them (raise RLIMIT_MEMLOCK, or "
-                        "lower --max-shm-bytes)", region.name, region.byte_size, reason)
+            log.warning("page-locking shared-memory region %r (%d bytes) for the GPU to read in place failed: %s; "
+                        "its inputs, and those of any other region refused in this process, are copied first "
+                        "(RLIMIT_MEMLOCK and --max-shm-bytes bound what can be locked)", region.name,
+                        region.byte_size, reason)
         else:
             log.debug("page-locking shared-memory region %r failed: %s", region.name, reason)
         return None
