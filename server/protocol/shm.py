@@ -27,7 +27,6 @@ read). Where page-locking is refused (RLIMIT_MEMLOCK, CUDA), the region is copie
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import functools
 import json
 import logging
@@ -85,6 +84,17 @@ class Region:
         if self.fd is not None:
             os.close(self.fd)
             self.fd = None
+
+
+class _Pages:
+    """``nbytes`` at ``address`` of a page-locked mapping, as numpy takes them (read-only): the array made from it
+    keeps it, and with it the lease on the mapping, as long as the array or any view of it is alive."""
+
+    __slots__ = ("__array_interface__", "lease")
+
+    def __init__(self, address: int, nbytes: int, lease: Lease) -> None:
+        self.__array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (address, True), "version": 3}
+        self.lease = lease
 
 
 def sync_all(shared_dir: str | None, regions: dict, sync: Callable[[str], object]) -> None:
@@ -364,11 +374,7 @@ class SharedMemoryRegistry:
             self.in_place_reads += 1
             self.in_place_bytes += byte_size
         lease = Lease(functools.partial(self._releases.end, pinned))
-        buffer = (ctypes.c_char * byte_size).from_address(pinned.map.address + start - region.offset)
-        buffer.keep = lease  # type: ignore[attr-defined]  # numpy's view holds the buffer, the buffer the lease
-        view = np.frombuffer(memoryview(buffer), dtype=np.uint8)
-        view.flags.writeable = False
-        return view, lease
+        return np.asarray(_Pages(pinned.map.address + start - region.offset, byte_size, lease)), lease
 
     def _pin(self, region: Region) -> Pinned | None:
         """Map region's span read-only and page-lock it (under the lock); None, and the region copied from now on
