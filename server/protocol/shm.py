@@ -441,7 +441,7 @@ class SharedMemoryRegistry:
     @property
     def pinned_bytes(self) -> int:
         """Bytes of client segments page-locked in this process now (registered, or unregistered and still read;
-        whole pages: a region's span, and the rest of the pages it begins and ends in)."""
+        a region's span from the start of the page it begins in)."""
         with self._releases.locked():
             live = sum(r.pinned.map.length for r in self._regions.values() if r.pinned is not None)
             return live + sum(p.map.length for p in self._draining)
