@@ -150,6 +150,7 @@ class VoxServer:
             self.state.runner = opened.executor
             if opened.allocate is not None:
                 self.shm.allocate = opened.allocate
+            self.shm.locker = opened.page_locker
             cin, cout, k, devices, kernel = opened.cin, opened.cout, opened.k, opened.devices, opened.kernel
             self.state.spec = ModelSpec(s.model_name, s.model_version, cin, cout, k, s.max_request_samples,
                                         s.max_request_voxels)

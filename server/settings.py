@@ -101,7 +101,8 @@ class Settings:
         check=(lambda v: v >= 0, "must be >= 0"))
     max_shm_bytes: int = option(
         8 * 1024 * MiB,
-        "most bytes of shared memory mapped across all regions",
+        "most bytes of shared memory registered across all regions; on a GPU server also the most bytes of clients' "
+        "segments page-locked for the GPU to read inputs in place (with those of unregistered regions still read)",
         check=(lambda v: v >= 0, "must be >= 0"))
     max_cuda_shm_regions: int = option(
         64,

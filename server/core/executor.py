@@ -16,6 +16,7 @@ import numpy as np
 from .batching import BatchingConfig, BatchResult
 from .devicemem import DeviceArray, RegionTensor
 from .errors import ServingError
+from .hostmem import PageLocker
 
 
 class Executor(Protocol):
@@ -50,3 +51,5 @@ class Opened:
     kernel: str
     # Where shared-memory inputs are best copied to (pinned or arena memory), None for private memory.
     allocate: Callable[[int], memoryview] | None = None
+    # What page-locks clients' segments for the GPU to read inputs in place (a GPU server), None: they are copied.
+    page_locker: PageLocker | None = None

@@ -15,9 +15,10 @@ the request's bytes are viewed, not copied, up to here (``np.frombuffer`` over p
 protobuf materialises ``raw_input_contents`` as a Python bytes object, that is protobuf's own copy at
 parse time). Where the batcher used to concatenate a batch, the staging copy now does it.
 
-Inputs already in page-locked memory (a shared-memory input: the server reads client segments into pinned
-buffers, see ``pinned_buffer``; a front end's arena, which the engine of --frontends registers) skip copy 1
-when every request of the batch is: the DMAs read them in place.
+Inputs already in page-locked memory (a front end's arena, which the engine of --frontends registers; a pinned
+buffer) skip copy 1 when every request of the batch is: the DMAs read them in place. Inputs in ranges registered
+DMA-only (a client's shared-memory segment, page-locked where it lies: server/protocol/shm.py) are never read on
+the host at all: in a batch with other inputs, those are staged and the DMA gathers both.
 
 Every time in the returned ExecutionTimes comes from CUDA events, except the host copy's.
 
@@ -49,6 +50,11 @@ from voxserve.kernels import cuda as fused_cuda
 from voxserve.kernels.graphs import GraphCache
 from voxserve.kernels.ops import TORCH_DTYPES
 
+try:
+    from numpy.lib.array_utils import byte_bounds
+except ImportError:  # numpy < 2
+    from numpy import byte_bounds  # type: ignore[attr-defined,no-redef]
+
 # Small batches run as captured CUDA graphs, one per (bucket, sample shape): a batch of N samples is padded
 # with zero samples up to the next bucket, so the dynamic batcher's varying sizes reuse a handful of graphs
 # instead of capturing (a device-wide synchronisation and a garbage collection each) one per size.
@@ -61,24 +67,58 @@ PARALLEL_COPY_BYTES = 4 * 1024 * 1024
 MAX_SEEN_SHAPES = 4096
 
 
-# Long-lived page-locked host ranges, (start, end) sorted by start, replaced whole on a change (readers on
-# other threads see one version or the other).
+# Page-locked host ranges, (start, end) sorted by start, replaced whole on a change (readers on other threads see
+# one version or the other); _DMA_ONLY: those of them the CPU must never read (clients' segments, which the client
+# may truncate: a CPU read would fault; the DMA reads the pages locked at registration).
 _LOCKED: tuple[tuple[int, int], ...] = ()
+_DMA_ONLY: tuple[tuple[int, int], ...] = ()
 _locked_lock = threading.Lock()
 
 
-def register_page_locked(address: int, nbytes: int) -> None:
-    """Note that [address, address + nbytes) stays page-locked for the life of the process (memory registered
-    with cudaHostRegister and never unregistered), so submit need not ask CUDA for each source in it."""
-    global _LOCKED
+def register_page_locked(address: int, nbytes: int, dma_only: bool = False) -> None:
+    """Note that [address, address + nbytes) is page-locked (registered with cudaHostRegister) until
+    ``unregister_page_locked``, so submit need not ask CUDA for each source in it; ``dma_only``: the range is
+    only ever DMA'd, never copied on the host (a batch mixing it with other sources stages those only)."""
+    global _LOCKED, _DMA_ONLY
     with _locked_lock:
         _LOCKED = tuple(sorted((*_LOCKED, (address, address + nbytes))))
+        if dma_only:
+            _DMA_ONLY = tuple(sorted((*_DMA_ONLY, (address, address + nbytes))))
+
+
+def unregister_page_locked(address: int, nbytes: int) -> None:
+    """Forget a range noted by register_page_locked (before it is unlocked: no batch may take it as locked after)."""
+    global _LOCKED, _DMA_ONLY
+    span = (address, address + nbytes)
+    with _locked_lock:
+        _LOCKED = tuple(s for s in _LOCKED if s != span)
+        _DMA_ONLY = tuple(s for s in _DMA_ONLY if s != span)
+
+
+def _within(ranges: tuple[tuple[int, int], ...], address: int, nbytes: int) -> bool:
+    i = bisect.bisect_right(ranges, (address, float("inf"))) - 1
+    return i >= 0 and ranges[i][1] >= address + nbytes
 
 
 def _registered(address: int, nbytes: int) -> bool:
-    locked = _LOCKED
-    i = bisect.bisect_right(locked, (address, float("inf"))) - 1
-    return i >= 0 and locked[i][1] >= address + nbytes
+    return _within(_LOCKED, address, nbytes)
+
+
+def touches_dma_only(address: int, nbytes: int) -> bool:
+    """Whether any byte of [address, address + nbytes) lies in a DMA-only range. The ranges are mappings of their
+    own, which never overlap: the last one starting before the span's end is the only one that can reach into it."""
+    ranges = _DMA_ONLY
+    i = bisect.bisect_left(ranges, (address + nbytes,)) - 1
+    return i >= 0 and ranges[i][1] > address
+
+
+def _check_host_readable(a: np.ndarray) -> None:
+    """Refuse to read ``a`` on the host if it reaches into a DMA-only range: the copy could fault (the client may
+    have truncated its segment) and take the process down. The views server/protocol/shm.py hands out never get
+    here (they lie whole in their range, contiguous, and go in place): this is the guard that keeps it so."""
+    low, high = byte_bounds(a)
+    if touches_dma_only(low, high - low):
+        raise RuntimeError("an input in a client's segment (DMA-only) would be copied on the host: refused")
 
 
 def pinned_buffer(nbytes: int) -> memoryview:
@@ -151,7 +191,8 @@ class _Slot:
 
 
 class _Batch(NamedTuple):
-    """A batch as submit takes it in: its slot, its sizes, its page-locked spans (None: staged) and its padding."""
+    """A batch as submit takes it in: its slot, its sizes, the spans its DMA gathers (None: all staged, one DMA),
+    which arrays are staged first (into the slot, where their spans point), and its padding."""
 
     slot: _Slot
     samples: int
@@ -159,6 +200,7 @@ class _Batch(NamedTuple):
     direct: np.ndarray | None
     padded_bytes: int
     shape: tuple[int, ...]
+    staged: list[bool]
 
 
 @dataclass
@@ -213,21 +255,15 @@ class CudaPipeline:
             warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
             return [torch.from_numpy(np.ascontiguousarray(a).reshape(-1).view(np.uint8)) for a in arrays]
 
-    def _page_locked_spans(self, arrays: list[np.ndarray]) -> np.ndarray | None:
-        """(address, bytes) of each array when every one lies in page-locked memory, else None.
+    def _page_locked(self, a: np.ndarray) -> bool:
+        """Whether ``a`` lies in page-locked memory (the DMA can read it in place).
 
-        Addresses in a range registered with register_page_locked (a front end's arena in the engine) are
-        known at the cost of a search; others are asked of CUDA, through torch, which costs more (this runs
-        once per request of every batch)."""
-        spans = []
-        for a in arrays:
-            if not a.flags.c_contiguous:
-                return None
-            address = a.__array_interface__["data"][0]
-            if not (_registered(address, a.nbytes) or self._sources([a])[0].is_pinned()):
-                return None
-            spans.append((address, a.nbytes))
-        return np.array(spans, dtype=np.int64).reshape(-1, 2)
+        Addresses in a range registered with register_page_locked (a front end's arena in the engine, a client's
+        segment) are known at the cost of a search; others are asked of CUDA, through torch, which costs more
+        (this runs once per request of every batch)."""
+        if not a.flags.c_contiguous:
+            return False
+        return _registered(a.__array_interface__["data"][0], a.nbytes) or self._sources([a])[0].is_pinned()
 
     @property
     def _graph_max_bytes(self) -> int:
@@ -240,11 +276,19 @@ class CudaPipeline:
         slot is free and ``wait`` is False."""
         samples = sum(int(a.shape[0]) for a in arrays)
         nbytes = sum(a.nbytes for a in arrays)
-        # Sources already in page-locked memory (shared-memory inputs; a front end's arena, which the engine
-        # registers) go to the GPU in place, gathered by one call; otherwise they are merged into the slot's
-        # staging.
-        direct = self._page_locked_spans(arrays)
-        if direct is None and max_host_copy is not None and nbytes > max_host_copy:
+        # Sources already in page-locked memory (shared-memory inputs, a front end's arena) go to the GPU in place,
+        # gathered by one call, when every one is; otherwise the batch is merged into the slot's staging, except
+        # for sources in DMA-only ranges (clients' segments), which are never read on the host: those go in place,
+        # gathered with the staged ones.
+        if all(self._page_locked(a) for a in arrays):
+            staged = [False] * len(arrays)
+        else:
+            staged = [not _within(_DMA_ONLY, a.__array_interface__["data"][0], a.nbytes) for a in arrays]
+        for a, copy in zip(arrays, staged, strict=True):
+            if copy or not a.flags.c_contiguous:
+                _check_host_readable(a)
+        host_bytes = sum(a.nbytes for a, copy in zip(arrays, staged, strict=True) if copy)
+        if host_bytes and max_host_copy is not None and host_bytes > max_host_copy:
             return None
         limit = self._graph_max_bytes
         padded = graph_bucket(samples, nbytes // samples, limit) if limit else samples
@@ -258,26 +302,35 @@ class CudaPipeline:
         except BaseException:
             self._free.put(slot)
             raise
-        return _Batch(slot, samples, nbytes, direct, padded_bytes, shape)
+        direct = None
+        if not all(staged):
+            spans, offset, staging = [], 0, slot.host.data_ptr()
+            for a, copy in zip(arrays, staged, strict=True):
+                spans.append((staging + offset if copy else a.__array_interface__["data"][0], a.nbytes))
+                offset += a.nbytes
+            direct = np.array(spans, dtype=np.int64).reshape(-1, 2)
+        return _Batch(slot, samples, nbytes, direct, padded_bytes, shape, staged)
 
-    def _stage(self, slot: _Slot, arrays: list[np.ndarray]) -> int:
-        """Copy 1: the arrays one after another into the slot's pinned staging; the nanoseconds it took."""
+    def _stage(self, slot: _Slot, arrays: list[np.ndarray], staged: list[bool]) -> int:
+        """Copy 1: the arrays to be staged into the slot's pinned staging, each where it lies in the batch (the
+        others are DMA'd in place, never read here); the nanoseconds it took."""
         t0 = time.perf_counter_ns()
         offset = 0
-        for src in self._sources(arrays):
-            if src.numel() >= PARALLEL_COPY_BYTES:  # torch's copy is multi-threaded for large tensors
-                slot.host[offset : offset + src.numel()].copy_(src)
-            else:  # one memcpy: cheaper than waking a thread pool on a busy machine
-                slot.host[offset : offset + src.numel()].numpy()[:] = src.numpy()
-            offset += src.numel()
+        for a, copy in zip(arrays, staged, strict=True):
+            if copy:
+                src = self._sources([a])[0]
+                if src.numel() >= PARALLEL_COPY_BYTES:  # torch's copy is multi-threaded for large tensors
+                    slot.host[offset : offset + src.numel()].copy_(src)
+                else:  # one memcpy: cheaper than waking a thread pool on a busy machine
+                    slot.host[offset : offset + src.numel()].numpy()[:] = src.numpy()
+            offset += a.nbytes
         return time.perf_counter_ns() - t0
 
-    def _count(self, direct: bool, nbytes: int, native: bool = False) -> None:
+    def _count(self, arrays: list[np.ndarray], staged: list[bool], native: bool = False) -> None:
+        staged_bytes = sum(a.nbytes for a, copy in zip(arrays, staged, strict=True) if copy)
         with self._lock:
-            if direct:
-                self.direct_bytes += nbytes
-            else:
-                self.staged_bytes += nbytes
+            self.staged_bytes += staged_bytes
+            self.direct_bytes += sum(a.nbytes for a in arrays) - staged_bytes
             if native:
                 self.native_executions += 1
 
@@ -294,11 +347,11 @@ class CudaPipeline:
         batch = self._begin(arrays, wait_for_slot, max_host_copy)
         if batch is None:
             return None
-        slot, samples, nbytes, direct, padded_bytes, shape = batch
+        slot, samples, nbytes, direct, padded_bytes, shape, staged = batch
         cout = self.cout
         try:
-            host_copy_ns = self._stage(slot, arrays) if direct is None else 0
-            self._count(direct is not None, nbytes)
+            host_copy_ns = self._stage(slot, arrays, staged) if any(staged) else 0
+            self._count(arrays, staged)
             events = slot.events
             h2d_start, h2d_end, start, end, done = events
             with torch.cuda.stream(self.copy_stream):
@@ -333,11 +386,14 @@ class CudaPipeline:
         sample shape, datatype) and slot, captured over the slot's input buffer: no staging copy into a graph's
         input either."""
         assert self.native is not None
+        for a in arrays:
+            if not a.flags.c_contiguous:
+                _check_host_readable(a)
         arrays = [a if a.flags.c_contiguous else np.ascontiguousarray(a) for a in arrays]
         batch = self._begin(arrays, wait_for_slot, max_host_copy)
         if batch is None:
             return None
-        slot, samples, nbytes, spans, padded_bytes, shape = batch
+        slot, samples, nbytes, spans, padded_bytes, shape, staged = batch
         locked = spans is not None
         if spans is None:
             spans = np.array([(a.__array_interface__["data"][0], a.nbytes) for a in arrays], dtype=np.int64)
@@ -345,10 +401,11 @@ class CudaPipeline:
         try:
             ex = slot.execution
             host_copy_ns = 0
-            if locked:
+            if locked:  # every span page-locked: in place, or staged here first (a batch of both)
+                host_copy_ns = self._stage(slot, arrays, staged) if any(staged) else 0
                 ex.stage = 0
             elif max(a.nbytes for a in arrays) >= PARALLEL_COPY_BYTES:  # torch's copy is multi-threaded
-                host_copy_ns = self._stage(slot, arrays)
+                host_copy_ns = self._stage(slot, arrays, staged)
                 ex.stage = 2
             else:
                 ex.stage = 1  # a memcpy per request, in the library call
@@ -383,7 +440,7 @@ class CudaPipeline:
             fused_cuda.execute(ex)
             if ex.stage == 1:
                 host_copy_ns = ex.host_copy_ns
-            self._count(locked, nbytes, native=True)
+            self._count(arrays, staged, native=True)
         except BaseException:
             self._free.put(slot)
             raise

@@ -320,6 +320,9 @@ class InferenceService:
                         copying.add_done_callback(functools.partial(self._release_when_copied, held))
                         held = 0
                         raise
+                    if self.shm is not None and self.shm.in_place(decoded.array):  # DMA'd from the client's pages:
+                        self.shm_budget.release(held)  # no copy to bound
+                        held = 0
                 else:
                     decoded = codec.decode_request(request, spec, self.shm, parsed.raw)
                 m.input_bytes[decoded.path].inc(decoded.array.nbytes)

@@ -5,6 +5,7 @@ imported only when chosen, so a front end never loads torch."""
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -19,6 +20,8 @@ from .roles import FRONTEND, Role
 
 if TYPE_CHECKING:
     from ..core.weights import Weights
+
+log = logging.getLogger("voxserve")
 
 
 def read_weights(settings: Settings, role: Role, metrics: Metrics) -> Weights | None:
@@ -49,10 +52,17 @@ async def open_executor(settings: Settings, role: Role, weights: Weights | None,
     assert weights is not None  # read by read_weights for every role but a front end
     models = await asyncio.to_thread(build_models, settings, weights, metrics)
     model = models[0]
-    allocate = None
-    if model.pipeline is not None:  # shared-memory inputs land in pinned memory: the GPU copies in place
+    allocate = locker = None
+    if all(m.pipeline is not None for m in models):
+        # Shared-memory inputs are DMA'd from the client's segment, page-locked where it lies (server/protocol/shm.py);
+        # where that is refused, they are copied into pinned memory, which the GPU also reads in place.
+        from ..core.hostmem import CudaPageLocker
         from ..core.pipeline import pinned_buffer
 
         allocate = pinned_buffer
+        try:
+            locker = CudaPageLocker()
+        except OSError as exc:  # no CUDA runtime of torch's to call: copied, as where a page-lock is refused
+            log.warning("shared-memory inputs are copied before the GPU reads them: %s", exc)
     return Opened(Runner(models, stats, metrics, batching, lost), model.cin, model.cout, model.k,
-                  ",".join(str(m.device) for m in models), model.kernel, allocate)
+                  ",".join(str(m.device) for m in models), model.kernel, allocate, locker)
