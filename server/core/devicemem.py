@@ -157,14 +157,18 @@ class DeviceMemory(Protocol):
 class CudaDeviceMemory:
     """DeviceMemory on the CUDA devices, through the kernel library (which is built or loaded on first use)."""
 
-    def __init__(self) -> None:
+    def __init__(self, checker: Any = None) -> None:
         import torch
 
         from voxserve.kernels import cuda
 
+        from .ipccheck import HandleChecker
+
         self._cuda = cuda
         self._count = torch.cuda.device_count()
         self._streams: dict[int, torch.cuda.Stream] = {}  # the outputs' copies, per device
+        # Every mapping is read whole by another process before this one may read it (ipccheck.py).
+        self.checker = checker if checker is not None else HandleChecker()
 
     def device_count(self) -> int:
         return self._count
@@ -176,7 +180,15 @@ class CudaDeviceMemory:
             address, base, size, ordinal = self._cuda.ipc_open(handle, device)
         except self._cuda.IpcError as exc:
             raise DeviceMemoryError(_OPEN_REASONS.get(exc.name, f"CUDA refuses it ({exc.name})"), exc.name) from None
-        return Mapping(address, base + size - address, base, ordinal, device)
+        mapping = Mapping(address, base + size - address, base, ordinal, device)
+        try:  # opened, not yet read: a mapping the exporter's memory does not back is found in another process
+            extent = self.checker.check(handle, device)
+            if extent != mapping.size:
+                raise DeviceMemoryError(f"it maps {mapping.size} bytes here and {extent} in another process")
+        except BaseException:
+            self.close(mapping)
+            raise
+        return mapping
 
     def close(self, mapping: Mapping) -> None:
         try:

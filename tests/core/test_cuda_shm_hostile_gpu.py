@@ -525,3 +525,17 @@ def test_unregister_while_sixteen_requests_read_the_region(gpu_server, healthy, 
     counted.check()
     _assert_still_serving(srv, healthy)
 
+
+
+def test_every_handle_is_read_whole_by_another_process_before_the_server_maps_it(gpu_server, healthy, hostile, client):
+    """The server's guard against handles the exporter's memory does not back (server/core/ipccheck.py): a child
+    process opens the handle and reads its whole range first; a live handle's range is its allocation."""
+    checker = gpu_server.server.cuda_shm.devices.checker
+    x = _x()
+    memory = hostile.alloc(x.nbytes, x.tobytes())
+    client.register_cuda_shared_memory("checked", memory.handle, 0, x.nbytes)
+    assert checker.started >= 1 and checker._proc is not None and checker._proc.poll() is None
+    assert checker.check(memory.handle, 0) == memory.extent
+    _assert_exact(client.infer_shared_memory(x.shape, "checked"), x)
+    client.unregister_cuda_shared_memory("checked")
+    _assert_still_serving(gpu_server, healthy)

@@ -1,0 +1,97 @@
+"""The process that reads a CUDA IPC handle's memory before the server maps it (server/core/ipccheck.py), driven here
+with a stand-in child that answers as the real one does (a range read, a refusal, a fault that kills it, a hang);
+the real child runs in the GPU tests (tests/core/test_cuda_shm_hostile_gpu.py)."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+from voxserve.server.core import ipccheck
+from voxserve.server.core.devicemem import DeviceMemoryError
+from voxserve.server.core.ipccheck import HandleChecker
+
+# The handle's first byte says what the stand-in does with it.
+STANDIN = r"""
+import json, sys, time
+print(json.dumps({"ready": True}), flush=True)
+for line in sys.stdin:
+    handle = bytes.fromhex(json.loads(line)["handle"])
+    if handle[0] == 1:
+        print(json.dumps({"extent": 4096 * handle[1]}), flush=True)
+    elif handle[0] == 2:
+        sys.exit(1)  # the read faulted and took the process with it
+    elif handle[0] == 3:
+        time.sleep(60)
+    elif handle[0] == 4:
+        print(json.dumps({"reason": "reading the memory it maps failed (cuMemcpyDtoD)",
+                          "cuda_error": "CUDA_ERROR_ILLEGAL_ADDRESS", "exit": True}), flush=True)
+        sys.exit(1)
+    else:
+        print(json.dumps({"reason": "it does not open", "cuda_error": "CUDA_ERROR_INVALID_VALUE"}), flush=True)
+"""
+
+
+def _handle(kind: int, pages: int = 1) -> bytes:
+    return bytes([kind, pages]) + bytes(62)
+
+
+@pytest.fixture
+def checker():
+    c = HandleChecker([sys.executable, "-c", STANDIN])
+    yield c
+    c.close()
+
+
+def _refused(checker: HandleChecker, handle: bytes) -> DeviceMemoryError:
+    with pytest.raises(DeviceMemoryError) as err:
+        checker.check(handle, 0)
+    return err.value
+
+
+def test_a_handle_whose_range_reads_gives_its_extent(checker):
+    assert checker.check(_handle(1, 3), 0) == 3 * 4096
+    assert checker.check(_handle(1, 5), 1) == 5 * 4096
+    assert checker.started == 1  # one child for every check
+
+
+def test_a_read_that_faults_refuses_the_handle_and_the_next_check_gets_a_new_child(checker):
+    assert checker.check(_handle(1), 0) == 4096
+    error = _refused(checker, _handle(2))
+    assert "faulted" in error.reason and error.cuda_error == "cudaErrorIllegalAddress"
+    assert checker.check(_handle(1, 2), 0) == 8192 and checker.started == 2
+    error = _refused(checker, _handle(4))  # the child says so, then exits
+    assert "cuMemcpyDtoD" in error.reason and error.cuda_error == "CUDA_ERROR_ILLEGAL_ADDRESS"
+    assert checker.check(_handle(1), 0) == 4096 and checker.started == 3
+
+
+def test_a_handle_that_does_not_open_keeps_the_child(checker):
+    error = _refused(checker, _handle(9))
+    assert error.reason == "it does not open" and error.cuda_error == "CUDA_ERROR_INVALID_VALUE"
+    assert checker.check(_handle(1), 0) == 4096 and checker.started == 1
+
+
+def test_a_child_that_hangs_is_killed_and_replaced(checker, monkeypatch):
+    monkeypatch.setattr(ipccheck, "CHECK_TIMEOUT_S", 0.5)
+    assert "did not answer in time" in _refused(checker, _handle(3)).reason
+    assert checker.check(_handle(1), 0) == 4096 and checker.started == 2
+
+
+def test_no_child_no_registration():
+    broken = HandleChecker([sys.executable, "-c", "import json; print(json.dumps({'ready': False}))"])
+    assert "could not start" in _refused(broken, _handle(1)).reason
+    assert "64 bytes" in _refused(broken, b"short").reason
+
+
+def test_the_real_child_says_why_it_cannot_start_without_a_driver(monkeypatch):
+    """Without libcuda (this machine) the real child reports it is not ready, and the check is refused."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libcuda.so.1")
+        pytest.skip("a CUDA driver is present: the GPU tests run the real child")
+    except OSError:
+        pass
+    real = HandleChecker()
+    assert "could not start" in _refused(real, _handle(1)).reason and real.started == 0
