@@ -130,7 +130,8 @@ def _readline(proc: subprocess.Popen[str], timeout_s: float) -> str:
 # --- the child ----------------------------------------------------------------------------------------------------
 
 class _Handle(ctypes.Structure):
-    _fields_ = [("reserved", ctypes.c_char * HANDLE_BYTES)]  # CUipcMemHandle, passed by value
+    _fields_ = [("reserved", ctypes.c_ubyte * HANDLE_BYTES)]  # CUipcMemHandle, passed by value (raw bytes: a
+    # c_char field would stop at the first NUL)
 
 
 class _Driver:
@@ -179,7 +180,7 @@ class _Driver:
         scratch = self._on(device)
         address = ctypes.c_uint64()
         # CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS, as the server opens it
-        code = self.lib.cuIpcOpenMemHandle_v2(ctypes.byref(address), _Handle(handle), 1)
+        code = self.lib.cuIpcOpenMemHandle_v2(ctypes.byref(address), _Handle.from_buffer_copy(handle), 1)
         if code != 0:  # nothing mapped: the context is fine
             return {"reason": "it does not open", "cuda_error": self.name(code)}
         try:

@@ -95,6 +95,7 @@ def test_a_torch_tensor_inside_a_caching_allocator_block(client, dtype):
 
 _TRITONCLIENT = r"""
 import sys
+from pathlib import Path
 
 import numpy as np
 import tritonclient.grpc as grpcclient

@@ -95,3 +95,10 @@ def test_the_real_child_says_why_it_cannot_start_without_a_driver(monkeypatch):
         pass
     real = HandleChecker()
     assert "could not start" in _refused(real, _handle(1)).reason and real.started == 0
+
+
+def test_the_childs_handle_is_the_clients_64_bytes_nuls_and_all():
+    """A handle is mostly zero bytes: a character-string field would cut it at the first NUL (and every live
+    handle would then fail to open in the child)."""
+    handle = bytes([7, 0, 0, 9]) + bytes(58) + b"\x00\xff"
+    assert bytes(ipccheck._Handle.from_buffer_copy(handle)) == handle
