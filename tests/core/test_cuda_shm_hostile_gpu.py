@@ -351,9 +351,9 @@ def _whatever_it_maps(client: Client, name: str, handle: bytes, x: np.ndarray, c
 
 
 def test_memory_freed_before_registration(gpu_server, healthy, hostile, client):
-    """A handle of memory its exporter has freed: on an H200 the driver still opens it (the exporter's process
-    keeps the range; nothing of another process is reached). Refused or read as the exporter's bytes, never the
-    device's end; also once the exporter has allocated again, whose new handle reads its own bytes exactly."""
+    """A handle of memory its exporter has freed: on an H200 the driver still opens it. Refused, or read (the
+    checking child read the whole range first), never the device's end; also once the exporter has allocated
+    again, whose new handle reads its own bytes exactly."""
     counted = _CudaBytes(gpu_server)
     x = _x()
     memory = hostile.alloc(x.nbytes, x.tobytes())
