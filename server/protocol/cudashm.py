@@ -26,19 +26,19 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import collections
 import contextlib
+import functools
 import json
 import logging
 import math
 import os
 import secrets
 import threading
-import weakref
 from dataclasses import dataclass, field
 
 import numpy as np
 
+from ..core import leases
 from ..core.devicemem import (
     ALLOCATION_ALIGNMENT,
     HANDLE_BYTES,
@@ -72,27 +72,20 @@ class CudaRegion:
     opening: threading.Lock = field(default_factory=threading.Lock, repr=False)  # held while it opens here
 
 
-class Lease:
+class Lease(leases.Lease):
     """``nbytes`` of a region at ``address`` on ``device``, kept mapped until ``release()`` (idempotent; also run
     when the lease is garbage-collected, so a lease dropped by a cancelled request is never lost)."""
 
-    __slots__ = ("__weakref__", "_release", "address", "device", "host", "nbytes", "region")
+    __slots__ = ("address", "device", "host", "nbytes", "region")
 
     def __init__(self, registry: CudaSharedMemoryRegistry, region: CudaRegion, offset: int, nbytes: int) -> None:
         assert region.mapping is not None
+        super().__init__(functools.partial(registry._releases.end, region))
         self.region = region.name
         self.address = region.mapping.address + offset
         self.nbytes = nbytes
         self.device = region.mapping.device
         self.host = region.mapping.host
-        self._release = weakref.finalize(self, registry._release, region)
-
-    def release(self) -> None:
-        self._release()
-
-    @property
-    def released(self) -> bool:
-        return not self._release.alive
 
 
 def check_aligned(offset: int, dtype: np.dtype, what: str) -> None:
@@ -120,7 +113,9 @@ class CudaSharedMemoryRegistry:
         self._pending: set[str] = set()  # names whose handle is being opened
         self._draining: list[CudaRegion] = []  # unregistered, still leased
         self._lock = threading.Lock()
-        self._released: collections.deque[CudaRegion] = collections.deque()  # leases ended, not yet accounted
+        # Leases' ends, from wherever their last reference went (a finalizer may run inside one of this registry's
+        # own locked calls: the lock is not reentrant), accounted whenever the lock is free.
+        self._releases: leases.Releases[CudaRegion] = leases.Releases(self._lock, self._ended, self._close_drained)
 
     # --- registration ---------------------------------------------------------------------------
 
@@ -304,37 +299,22 @@ class CudaSharedMemoryRegistry:
                           f"bytes at its start it was registered with; register it again")
         return mapping
 
-    def _release(self, region: CudaRegion) -> None:
-        """A lease's end, from wherever its last reference went: a finalizer may run on a thread that holds the
-        lock, inside one of this registry's own calls (the lock is not reentrant), so it is queued and done by
-        whoever holds the lock when it lets go, or here if nobody does."""
-        self._released.append(region)
-        self._drain()
-
-    @contextlib.contextmanager
     def _locked(self):
-        """The registry's lock; on the way out, the leases released meanwhile are done."""
-        with self._lock:
-            yield
-        self._drain()
+        """The registry's lock; on the way out, the leases released meanwhile are accounted."""
+        return self._releases.locked()
 
-    def _drain(self) -> None:
-        while self._released:
-            if not self._lock.acquire(blocking=False):
-                return  # its holder drains when it lets go
-            drained: list[CudaRegion] = []
-            try:
-                while self._released:
-                    region = self._released.popleft()
-                    region.in_use -= 1
-                    if region.unregistered and region.in_use == 0 and region in self._draining:
-                        self._draining.remove(region)  # (not there once close() has closed everything)
-                        drained.append(region)
-            finally:
-                self._lock.release()
-            for region in drained:
-                if region.mapping is not None:
-                    self._close(region.name, region.mapping)
+    def _ended(self, region: CudaRegion) -> CudaRegion | None:
+        """One lease of ``region`` ended (under the lock): the region to unmap now, if that was its last and it is
+        unregistered."""
+        region.in_use -= 1
+        if region.unregistered and region.in_use == 0 and region in self._draining:
+            self._draining.remove(region)  # (not there once close() has closed everything)
+            return region
+        return None
+
+    def _close_drained(self, region: CudaRegion) -> None:
+        if region.mapping is not None:
+            self._close(region.name, region.mapping)
 
     # --- unregistration and status ----------------------------------------------------------------
 

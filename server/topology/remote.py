@@ -177,34 +177,36 @@ class RemoteRunner:
                     shape: tuple[int, ...], timeout_s: float | None, keep: object, trailer: bytes = b"") -> BatchResult:
         """One inference record to ``link`` and its answer; ``keep`` (the request's bytes) stays reserved until
         the engine's reply."""
+        fields = (INPUT_DATATYPES.index(datatype), len(trailer))
+        tail = (offset, nbytes, ipc.deadline_of(timeout_s), *shape)
+        asking = self._ask(link, keep, lambda req_id: ipc.REQUEST.pack(kind, *fields, req_id, *tail) + trailer)
+        del keep  # (as in _one: only the pending entry may hold the bytes)
+        return await asking
+
+    async def control(self, link: EngineLink, operation: dict, data: bytes = b"") -> dict:
+        """An operation on the CUDA regions, done by the engine ``link`` (engine.py ``_control``): its answer, or
+        the engine's ServingError."""
+        trailer = ipc.control_payload(operation, data)
+        answer = await self._ask(link, _CONTROL, lambda req_id: ipc.REQUEST.pack(
+            ipc.CONTROL, 0, len(trailer), req_id, 0, 0, float("nan"), 0, 0, 0, 0, 0) + trailer)
+        return json.loads(answer) if answer else {}
+
+    async def _ask(self, link: EngineLink, keep: object, record: Callable[[int], bytes]):
+        """Send ``record(request id)`` to ``link`` and wait for its reply; ``keep`` is the pending entry's (what
+        stays reserved until the reply). A cancelled wait tells the engine."""
         if link.lost is not None:
             raise self.lost_error()
         req_id = next(self._ids)
         future = asyncio.get_running_loop().create_future()
         link.pending[req_id] = (future, keep)
         del keep
-        link.outbox.put(ipc.REQUEST.pack(kind, INPUT_DATATYPES.index(datatype), len(trailer), req_id, offset, nbytes,
-                                         ipc.deadline_of(timeout_s), *shape) + trailer)
+        link.outbox.put(record(req_id))
         try:
             return await future
         except asyncio.CancelledError:
             if link.lost is None:
                 link.outbox.put(ipc.REQUEST.pack(ipc.CANCEL, 0, 0, req_id, 0, 0, float("nan"), 0, 0, 0, 0, 0))
             raise
-
-    async def control(self, link: EngineLink, operation: dict, data: bytes = b"") -> dict:
-        """An operation on the CUDA regions, done by the engine ``link`` (engine.py ``_control``): its answer, or
-        the engine's ServingError."""
-        if link.lost is not None:
-            raise self.lost_error()
-        req_id = next(self._ids)
-        future = asyncio.get_running_loop().create_future()
-        link.pending[req_id] = (future, _CONTROL)
-        trailer = ipc.control_payload(operation, data)
-        link.outbox.put(ipc.REQUEST.pack(ipc.CONTROL, 0, len(trailer), req_id, 0, 0, float("nan"), 0, 0, 0, 0, 0)
-                        + trailer)
-        answer = await future
-        return json.loads(answer) if answer else {}
 
     async def _read(self, link: EngineLink) -> None:
         reader = link.reader
