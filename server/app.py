@@ -161,6 +161,8 @@ class VoxServer:
                 from .topology.remote import EngineCudaSharedMemory, RemoteRunner
 
                 assert isinstance(opened.executor, RemoteRunner)
+                # GPU engines DMA system shared-memory inputs from the clients' segments: passed on by region.
+                self.shm.by_reference = opened.executor.reads_segments
                 if opened.executor.cuda_devices > 0:
                     self._offer_cuda_shm(EngineCudaSharedMemory(
                         opened.executor, s.max_cuda_shm_regions, self.shm, os.path.join(self.role.run_dir, "regions")))

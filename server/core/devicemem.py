@@ -111,15 +111,16 @@ class DeviceArray:
 
 @dataclass(frozen=True)
 class RegionTensor:
-    """A request's tensor where it lies in a client's CUDA region, known by the region's name rather than by an
-    address: a front end's (its engine maps the region and reads the tensor there); ``device_id``: the device the
-    region was registered on."""
+    """A request's tensor where it lies in a client's region, known by the region's name rather than by an address: a
+    front end's (its engine maps the region and reads the tensor there); ``device_id``: the device a CUDA region was
+    registered on."""
 
     region: str
     offset: int
     shape: tuple[int, ...]
     dtype: np.dtype
-    device_id: int
+    device_id: int  # (a system region's: -1, no device)
+    kind: str = "cuda"  # or "system": a client's system shared-memory segment, which the engine DMAs in place
 
     @property
     def nbytes(self) -> int:

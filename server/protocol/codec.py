@@ -204,9 +204,9 @@ def decode_request(request: pb.ModelInferRequest, spec: ModelSpec, shm=None,
             array, lease = shm.cuda.read(input_shm.region, input_shm.offset, shape, WIRE_DTYPE[datatype],
                                          f"input '{INPUT_NAME}'")
             return InferInput(array, datatype, False, output_shm, "cuda_shm", lease)
-        data = shm.read(input_shm.region, input_shm.offset, expected, f"input '{INPUT_NAME}'")
-        return InferInput(np.frombuffer(data, dtype=WIRE_DTYPE[datatype]).reshape(shape), datatype, False,
-                          output_shm, "system_shm")
+        array = shm.read_tensor(input_shm.region, input_shm.offset, shape, WIRE_DTYPE[datatype],
+                                f"input '{INPUT_NAME}'")
+        return InferInput(array, datatype, False, output_shm, "system_shm")
 
     if raw_contents:
         if typed:

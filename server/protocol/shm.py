@@ -30,6 +30,7 @@ import contextlib
 import functools
 import json
 import logging
+import math
 import os
 import re
 import stat
@@ -40,6 +41,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from ..core.devicemem import RegionTensor
 from ..core.errors import ServingError, Status, exhausted, invalid, not_found, shown
 from ..core.hostmem import HostMemoryError, PageLocker, SegmentMap, map_segment, unmap_segment
 from ..core.leases import Lease, Releases
@@ -143,6 +145,20 @@ class SharedMemoryRegistry:
         self.allocate: Callable[[int], memoryview] = lambda n: np.empty(n, np.uint8).data
         # The CUDA regions (cudashm.py), when the server has them: one namespace with this registry's.
         self.cuda: CudaSharedMemoryRegistry | None = None
+        # A front end whose engines read the clients' segments themselves (page-locked in place): inputs are passed
+        # on by region (read_tensor), this process reads none.
+        self.by_reference = False
+
+    def read_tensor(self, name: str, offset: int, shape: tuple[int, ...], dtype: np.dtype,
+                    what: str) -> np.ndarray | RegionTensor:
+        """An input of ``shape`` and ``dtype``: ``read``'s bytes as an array, or (``by_reference``) the tensor by
+        region for the engine to read, once ``read``'s checks pass here."""
+        nbytes = math.prod(shape) * dtype.itemsize
+        if self.by_reference:
+            with self._releases.locked():
+                self._slice(name, offset, nbytes, what)
+            return RegionTensor(name, offset, tuple(shape), dtype, -1, "system")
+        return np.frombuffer(self.read(name, offset, nbytes, what), dtype=dtype).reshape(shape)
 
     def register(self, name: str, key: str, offset: int, byte_size: int) -> None:
         """Register ``byte_size`` bytes at ``offset`` of segment ``key`` as region ``name``, bound to the file
@@ -428,8 +444,11 @@ class SharedMemoryRegistry:
             unmap_segment(pinned.map)
 
     def in_place(self, array: object) -> bool:
-        """Whether ``array`` lies in one of this process's page-locked mappings: an input read in place, not a copy
-        (the budget of copies in flight, server/protocol/inference.py, has nothing to bound for it)."""
+        """Whether ``array`` lies in one of this process's page-locked mappings, or is passed on by region: an input
+        read in place, not a copy (the budget of copies in flight, server/protocol/inference.py, has nothing to
+        bound for it)."""
+        if isinstance(array, RegionTensor):
+            return True
         if self.locker is None or not isinstance(array, np.ndarray):
             return False
         address = array.__array_interface__["data"][0]

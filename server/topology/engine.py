@@ -35,11 +35,13 @@ from ..core.batching import BatchingConfig, BatchResult
 from ..core.devicemem import CudaDeviceMemory, DeviceArray, DeviceMemory, RegionTensor
 from ..core.errors import ServingError, Status, internal, runner_error
 from ..core.heap import freeze_startup_objects
+from ..core.hostmem import PageLocker
 from ..core.inprocess import build_models, load_weights
 from ..core.runner import Runner
 from ..core.stats import ModelStats
 from ..metrics import Metrics, latency_buckets
 from ..protocol.cudashm import CudaSharedMemoryRegistry, Lease
+from ..protocol.shm import SharedMemoryRegistry
 from ..settings import Settings
 from . import ipc
 
@@ -52,7 +54,7 @@ DRAIN_MARGIN_S = 5.0
 class Engine:
     def __init__(self, settings: Settings, socket_path: str, index: int = 0,
                  stats_dir: str | None = None, regions_dir: str | None = None,
-                 device_memory: DeviceMemory | None = None) -> None:
+                 device_memory: DeviceMemory | None = None, page_locker: PageLocker | None = None) -> None:
         self.settings = settings
         self.socket_path = socket_path
         self.index = index
@@ -68,6 +70,9 @@ class Engine:
         self.regions_dir = regions_dir  # the supervisor's shared registry of regions (system and CUDA)
         self.cuda_shm: CudaSharedMemoryRegistry | None = None  # the clients' CUDA regions, mapped here
         self._device_memory = device_memory  # their device layer instead of the CUDA devices' (tests give a fake)
+        self._page_locker = page_locker  # the system segments' instead of CUDA's (tests give a fake)
+        # The clients' system shared-memory segments, read here in place (a GPU engine) for the front ends.
+        self.shm: SharedMemoryRegistry | None = None
         self._controls: set[asyncio.Task] = set()
 
     def load(self) -> None:
@@ -86,9 +91,26 @@ class Engine:
             # The regions' records are shared with the front ends (names, bounds, one namespace with system
             # regions); the mappings are this process's.
             self.cuda_shm = CudaSharedMemoryRegistry(memory, s.max_cuda_shm_regions, shared_dir=self.regions_dir)
+        locker = self._page_locker
+        if locker is None and self.regions_dir is not None and all(m.pipeline is not None for m in self._models):
+            from ..core.hostmem import CudaPageLocker
+
+            try:
+                locker = CudaPageLocker()
+            except OSError as exc:
+                log.warning("engine %d: the front ends copy shared-memory inputs: %s", self.index, exc)
+        if locker is not None and self.regions_dir is not None:
+            # DMA'd from the client's segment, page-locked where it lies (protocol/shm.py); where that is refused,
+            # copied into pinned memory first (here, off the event loop).
+            self.shm = SharedMemoryRegistry(s.max_shm_regions, s.max_shm_bytes, self.regions_dir, locker)
+            if all(m.pipeline is not None for m in self._models):
+                from ..core.pipeline import pinned_buffer
+
+                self.shm.allocate = pinned_buffer
         self.hello = {"engine": self.index, "cin": model.cin, "cout": model.cout, "k": model.k,
                       "device": devices, "kernel": model.kernel, "pid": os.getpid(),
-                      "cuda_devices": self.cuda_shm.devices.device_count() if self.cuda_shm is not None else 0}
+                      "cuda_devices": self.cuda_shm.devices.device_count() if self.cuda_shm is not None else 0,
+                      "system_shm_in_place": self.shm is not None}
         self.metrics.set_build(devices, model.kernel)
 
     async def serve(self, stop: asyncio.Event) -> int:
@@ -120,6 +142,8 @@ class Engine:
         await self.runner.close()
         if self.cuda_shm is not None:
             self.cuda_shm.close()
+        if self.shm is not None:
+            self.shm.close()
         if publish is not None:
             publish.cancel()
             self.stats.publish()
@@ -230,10 +254,18 @@ class Engine:
             if count * ITEMSIZE[datatype] != nbytes:
                 raise ServingError(Status.INTERNAL, f"malformed request record {kind, shape, nbytes}")
             array: np.ndarray | DeviceArray
-            if kind == ipc.INFER_REGION:  # in a client's CUDA region: read where it lies, held by its lease
+            region_kind, name = ipc.parse_region(trailer) if kind == ipc.INFER_REGION else ("", "")
+            if region_kind == "system":  # a client's segment: read off the event loop (a first page-lock, a copy)
+                if self.shm is None:
+                    raise ServingError(Status.UNIMPLEMENTED, "this engine does not read shared-memory segments")
+                reading = asyncio.create_task(self._segment_request(name, offset, tuple(shape), datatype, deadline))
+                pending[req_id] = reading
+                reading.add_done_callback(_Reply(outbox, pending, req_id, model_name, None))
+                return
+            if region_kind == "cuda":  # in a client's CUDA region: read where it lies, held by its lease
                 if self.cuda_shm is None:
                     raise ServingError(Status.UNIMPLEMENTED, "this engine offers no CUDA shared memory")
-                tensor, lease = self.cuda_shm.read(trailer.decode(), offset, tuple(shape), WIRE_DTYPE[datatype],
+                tensor, lease = self.cuda_shm.read(name, offset, tuple(shape), WIRE_DTYPE[datatype],
                                                    "the request's input")
                 assert not isinstance(tensor, RegionTensor)  # this registry maps its regions: an address
                 array = tensor
@@ -251,6 +283,17 @@ class Engine:
             return
         pending[req_id] = future
         future.add_done_callback(_Reply(outbox, pending, req_id, model_name, lease))
+
+    async def _segment_request(self, name: str, offset: int, shape: tuple[int, ...], datatype: str,
+                               deadline: float) -> BatchResult:
+        """A request whose input lies in a client's system shared-memory segment: its bytes where they lie (the
+        view that holds the page-locked mapping's lease, for the GPU's DMA only), or a pinned copy; then the
+        batch."""
+        assert self.shm is not None and self.runner is not None
+        dtype = WIRE_DTYPE[datatype]
+        array = await asyncio.to_thread(self.shm.read_tensor, name, offset, shape, dtype, "the request's input")
+        assert isinstance(array, np.ndarray)  # (this registry reads: it passes nothing on by reference)
+        return await self.runner.enqueue(array, datatype, ipc.timeout_of(deadline))
 
     async def _control(self, req_id: int, trailer: bytes, outbox: ipc.Outbox) -> None:
         """A front end's operation on the CUDA regions (remote.EngineCudaSharedMemory), answered with its result

@@ -30,8 +30,8 @@ import numpy as np
 # kind, datatype, 2 pad, bytes that follow the record, request id, offset (in the arena; INFER_REGION: in the
 # region), byte count, deadline (time.monotonic(); NaN: none), shape (N, Cin, D, H, W)
 REQUEST = struct.Struct("<BB2xIQQQd5Q")
-# INFER: the tensor is in the front end's arena. INFER_REGION: in a client's CUDA shared-memory region, whose name
-# follows the record. CONTROL: an operation on the CUDA regions (``control_payload`` follows). CANCEL: forget one.
+# INFER: the tensor is in the front end's arena. INFER_REGION: in a client's region, whose kind and name follow the
+# record (region_trailer). CONTROL: an operation on the CUDA regions (``control_payload`` follows). CANCEL: forget one.
 INFER, CANCEL, INFER_REGION, CONTROL = 1, 2, 3, 4
 # kind, status code value (core.errors.Status), 2 pad, payload bytes, request id, queue ns, samples of its execution
 REPLY = struct.Struct("<BB2xIQQQ")
@@ -179,6 +179,21 @@ def requests(buffer: bytes) -> tuple[list[tuple[tuple, bytes]], int]:
         out.append((fields, bytes(view[pos + size : end]) if fields[2] else b""))
         pos = end
     return out, pos
+
+
+REGION_KINDS = {"cuda": b"c", "system": b"s"}  # an INFER_REGION trailer's first byte; the region's name follows
+
+
+def region_trailer(kind: str, name: str) -> bytes:
+    return REGION_KINDS[kind] + name.encode()
+
+
+def parse_region(trailer: bytes) -> tuple[str, str]:
+    """(kind, region name) of an INFER_REGION trailer; ValueError for one that is not."""
+    kind = next((k for k, v in REGION_KINDS.items() if trailer[:1] == v), None)
+    if kind is None:
+        raise ValueError(f"an INFER_REGION record names no region kind ({trailer[:1]!r})")
+    return kind, trailer[1:].decode()
 
 
 def control_payload(operation: dict, data: bytes = b"") -> bytes:

@@ -8,7 +8,9 @@ its arena space stays reserved until the engine has answered, so it is never reu
 still read it.
 
 A tensor in a client's CUDA shared memory does not pass through the arena: it is a ``RegionTensor`` (region name,
-offset), sent to the engine on the region's device, which maps the region (``EngineCudaSharedMemory``, below).
+offset), sent to the engine on the region's device, which maps the region (``EngineCudaSharedMemory``, below). Nor,
+where the engines page-lock clients' segments (GPU engines: ``reads_segments``), does one in system shared memory:
+the engine maps the segment and the GPU DMAs the tensor where it lies.
 """
 
 from __future__ import annotations
@@ -120,6 +122,12 @@ class RemoteRunner:
                             f"({self.device_lost}); this replica must be restarted, retry on another")
 
     @property
+    def reads_segments(self) -> bool:
+        """Whether the engines read clients' system shared-memory segments themselves, page-locked in place (GPU
+        engines): then inputs there go to them by region, not through the arena."""
+        return all(bool(link.hello.get("system_shm_in_place")) for link in self.links)
+
+    @property
     def cuda_devices(self) -> int:
         """The CUDA devices the engines can open clients' memory on (0: they offer no CUDA shared memory)."""
         return min(int(link.hello.get("cuda_devices", 0)) for link in self.links)
@@ -142,9 +150,10 @@ class RemoteRunner:
         """Infer one request's (N, Cin, D, H, W) wire-typed array in an engine: from the arena, or where it lies in
         a client's CUDA region (a RegionTensor: the engine on its device reads it there)."""
         if isinstance(arr, RegionTensor):
-            name = arr.region.encode()
-            return await self._send(self.engine_for(arr.device_id), ipc.INFER_REGION, datatype, arr.offset,
-                                    arr.nbytes, arr.shape, timeout_s, arr, name)
+            link = self.engine_for(arr.device_id) if arr.kind == "cuda" else min(self._live(),
+                                                                                 key=lambda lk: len(lk.pending))
+            return await self._send(link, ipc.INFER_REGION, datatype, arr.offset, arr.nbytes, arr.shape, timeout_s,
+                                    arr, ipc.region_trailer(arr.kind, arr.region))
         if not isinstance(arr, np.ndarray):
             raise ServingError(Status.INTERNAL, f"a front end cannot send a {type(arr).__name__} to its engines")
         link = min(self._live(), key=lambda lk: len(lk.pending))

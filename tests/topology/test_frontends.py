@@ -11,6 +11,7 @@ import os
 import re
 import signal
 import threading
+import time
 import urllib.request
 import uuid
 
@@ -34,6 +35,7 @@ from voxserve.server.topology.remote import EngineCudaSharedMemory, RemoteRunner
 from voxserve.server.topology.roles import FRONTEND, Role
 from voxserve.server.topology.supervisor import cgroup_cpu_quota, resolve_frontends, usable_cpus
 from voxserve.testing.fake_devicemem import FakeDeviceMemory
+from voxserve.testing.fake_hostmem import FakePageLocker
 from voxserve.testing.load import proc_stat
 
 from ..conftest import ServerThread, serve_process
@@ -422,14 +424,16 @@ class _FrontEndThread(ServerThread):
 
 
 @contextlib.contextmanager
-def fake_layer_front_end(tmp_path):
-    """A front end over gRPC in front of a CPU engine whose CUDA shared memory is the fake device layer."""
+def fake_layer_front_end(tmp_path, page_locker=None):
+    """A front end over gRPC in front of a CPU engine whose CUDA shared memory is the fake device layer (and, with
+    ``page_locker``, which reads system shared-memory segments in place, as a GPU engine does)."""
     run_dir = tmp_path / "run"
     (run_dir / "regions").mkdir(parents=True)
     (run_dir / "stats").mkdir()
     fake = FakeDeviceMemory(2)
     path = str(tmp_path / "engine.sock")
-    engine = Engine(Settings(device="cpu"), path, regions_dir=str(run_dir / "regions"), device_memory=fake)
+    engine = Engine(Settings(device="cpu"), path, regions_dir=str(run_dir / "regions"), device_memory=fake,
+                    page_locker=page_locker)
     engine.load()
     loop = asyncio.new_event_loop()
     stop = asyncio.Event()
@@ -484,6 +488,40 @@ def test_cuda_shared_memory_over_grpc_through_a_front_end(tmp_path):
             "voxserve_input_bytes_total", {"model": "voxnet", "path": "cuda_shm"}) == counted
         assert front.server.metrics.registry.get_sample_value(
             "voxserve_input_bytes_total", {"model": "voxnet", "path": "wire"}) in (None, 0.0)
+
+
+def test_system_shared_memory_through_a_front_end_is_read_in_place_by_the_engine(tmp_path):
+    """Where the engines page-lock clients' segments (GPU engines; the fake page-locker here), a front end passes a
+    system shared-memory input on by region: the engine maps the segment and reads the tensor where it lies (no
+    copy in the front end, none into its arena); the checks stay the front end's and the engine's (a shrunk segment
+    is INVALID_ARGUMENT and the server goes on); an unregistered region's mapping goes once nothing reads it."""
+    w, b = reference_weights()
+    x = np.random.default_rng().standard_normal((2, 3, 6, 5, 7), dtype=np.float32)
+    locker = FakePageLocker()
+    with fake_layer_front_end(tmp_path, locker) as (front, engine, _fake), Client(front.url) as client, \
+            SharedMemoryBuffer(f"vox_fe_{uuid.uuid4().hex[:8]}", x.nbytes + 2 * 16 * 4) as segment:
+        assert front.server.shm.by_reference and engine.shm is not None
+        segment.write(x)
+        client.register_system_shared_memory("sys", segment.key, segment.size)
+        for _ in range(3):
+            y = client.infer_shared_memory(x.shape, "sys")
+            assert relative_error(torch.from_numpy(y), reference_float64(torch.from_numpy(x), w, b)) <= 1e-5
+        assert client.infer_shared_memory(x.shape, "sys", output_region="sys", output_offset=x.nbytes) is None
+        np.testing.assert_array_equal(segment.read(np.float32, (2, 16), offset=x.nbytes), y)
+        assert engine.shm.in_place_reads == 4 and engine.shm.copies == 0 and front.server.shm.copies == 0
+        assert front.server.state.runner.copied_bytes == 0 and locker.locks == 1
+        assert front.server.service.shm_budget.used == 0
+        os.truncate("/dev/shm" + segment.key, x.nbytes // 2)  # the client shrinks its segment
+        with pytest.raises(InferenceError) as err:
+            client.infer_shared_memory(x.shape, "sys")
+        assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT and "smaller" in str(err.value)
+        np.testing.assert_array_equal(client.infer(x), y)  # still serving
+        client.unregister_system_shared_memory("sys")
+        deadline = time.monotonic() + 10
+        while engine.shm.pinned_bytes and time.monotonic() < deadline:
+            engine.shm.status("")  # (the engine drops a mapping it finds unregistered)
+            time.sleep(0.01)
+        assert engine.shm.pinned_bytes == 0 and locker.unlocks == 1
 
 
 async def _until(predicate, step: float = 0.01) -> None:
@@ -728,3 +766,34 @@ def test_cuda_shared_memory_through_two_front_ends_on_a_gpu(tmp_path):
         assert counted == 17 * (x.nbytes + x.nbytes // 2)  # 17 requests of each datatype, none on the wire
         srv.proc.send_signal(signal.SIGTERM)
         assert srv.proc.wait(timeout=90) == 0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_system_shared_memory_through_two_front_ends_is_dmad_by_the_engine_on_a_gpu(tmp_path):
+    """--frontends 2 on a GPU, whose engines page-lock clients' segments: system shared-memory inputs answered within
+    fp32 of float64 over every connection (by region, read in place by the engine: the counts of that are checked
+    with the fake page-locker, test_system_shared_memory_through_a_front_end_is_read_in_place_by_the_engine), no
+    page-lock refused; a shrunk segment is refused and the server goes on."""
+    x = np.random.default_rng().standard_normal((4, 3, 16, 32, 32), dtype=np.float32)
+    with serve_process(tmp_path / "server.log", "--frontends", "2") as srv, \
+            SharedMemoryBuffer(f"vox_fe_gpu_{uuid.uuid4().hex[:8]}", x.nbytes) as segment:
+        _wait_for(lambda: _metric(srv.metrics_port, "voxserve_model_ready") == 1.0, 300, "every process ready")
+        segment.write(x)
+        clients = [Client(srv.url, timeout_s=60) for _ in range(8)]
+        try:
+            clients[0].register_system_shared_memory("sys", segment.key, segment.size)
+            with concurrent.futures.ThreadPoolExecutor(16) as pool:
+                outputs = list(pool.map(lambda i: clients[i % 8].infer_shared_memory(x.shape, "sys"), range(16)))
+            for y in outputs:
+                assert relative_error(torch.from_numpy(y), _ref(x)) <= 1e-5
+            os.truncate("/dev/shm" + segment.key, x.nbytes // 2)
+            for c in clients[:4]:
+                with pytest.raises(InferenceError) as err:
+                    c.infer_shared_memory(x.shape, "sys")
+                assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT
+            assert relative_error(torch.from_numpy(clients[0].infer(x)), _ref(x)) <= 1e-5
+            clients[0].unregister_system_shared_memory("sys")
+        finally:
+            for c in clients:
+                c.close()
+    assert "page-locking shared-memory region" not in srv.log  # no refusal: every input was read in place
