@@ -144,17 +144,18 @@ def rest_rows(args, out: dict[str, list[LevelResult]], host_port: str, full: np.
 
 
 def cuda_rows(args, out: dict[str, list[LevelResult]], url: str, full: np.ndarray, notes: list[str], target: str,
-              model: str = "voxnet") -> None:
+              model: str = "voxnet", connections: int = 1) -> None:
     """A server's CUDA shared-memory rows: input and output in device memory of this process (voxserve.client's
-    CudaBuffer, exported by CUDA IPC), the full batch at each full concurrency and batch 1 at c=64; or a note
-    saying why there are none (voxserve in process: front ends do not offer it)."""
+    CudaBuffer, exported by CUDA IPC), the full batch at each full concurrency (over ``connections``) and batch 1
+    at c=64; or a note saying why there are none."""
     d, load = args.duration, (args.processes, args.connections)
     one = full[:1].copy()
     try:
         payload, cleanup = setup_cuda_shared_memory(url, full, "FP32", model)
         try:
             for c in args.full_concurrency:
-                out["cuda_shm"].append(level(url, payload, args.batch, full.nbytes, c, target, d, model=model))
+                out["cuda_shm"].append(level(url, payload, args.batch, full.nbytes, c, target, d, 1, connections,
+                                             model=model))
         finally:
             cleanup()
         payload, cleanup = setup_cuda_shared_memory(url, one, "FP32", model)
@@ -167,7 +168,8 @@ def cuda_rows(args, out: dict[str, list[LevelResult]], url: str, full: np.ndarra
         notes.append(f"{target}: no CUDA shared-memory rows ({type(exc).__name__}: {str(exc).splitlines()[0]})")
 
 
-def triton_rows(args, out: dict[str, list[LevelResult]], full: np.ndarray, notes: list[str]) -> None:
+def triton_rows(args, out: dict[str, list[LevelResult]], full: np.ndarray, notes: list[str],
+                checkpoint: Callable[[dict[str, list[LevelResult]]], None] = lambda rows: None) -> None:
     """Triton's rows in every table, or a note saying why there are none."""
     one = full[:1].copy()
     d, load = args.duration, (args.processes, args.connections)
@@ -197,6 +199,7 @@ def triton_rows(args, out: dict[str, list[LevelResult]], full: np.ndarray, notes
             if args.device != "cpu":
                 cuda_rows(args, out, triton.url, full, notes, TRITON, model=m32)
             rest_rows(args, out, triton.http_url, full, TRITON, model=m32)
+            checkpoint(out)  # before Triton stops: its stop has outlasted a run's time limit
     except TritonUnavailable as exc:
         print(f"Triton's rows skipped: {exc}", file=sys.stderr, flush=True)
         notes.append(f"{TRITON}: skipped: {str(exc).splitlines()[0]}")
@@ -260,11 +263,13 @@ def run(args, notes: list[str], checkpoint: Callable[[dict[str, list[LevelResult
                 cleanup()
             out["batch1"].append(level(vox.url, single, 1, n1, 64, fe, d, *load))
             rest_rows(args, out, f"127.0.0.1:{vox.http_port}", full, fe, full_json=False)
+            if args.device != "cpu":  # the engines map the regions
+                cuda_rows(args, out, vox.url, full, notes, fe, connections=spread)
         with ServerProcess([*serve, "--frontends", str(args.frontends), "--no-batching"]) as vox:
             out["batch1"].append(level(vox.url, single, 1, n1, 64, f"{fe}, no batching", d, *load))
         checkpoint(out)
     if args.triton:
-        triton_rows(args, out, full, notes)
+        triton_rows(args, out, full, notes, checkpoint)
         checkpoint(out)
     else:
         notes.append(f"{TRITON}: not run (--triton not given)")
