@@ -195,6 +195,8 @@ class Engine:
                         pending: dict[int, asyncio.Future]) -> None:
         """Read request records as they come (every whole one in a read at once) until the front end hangs up."""
         outbox = ipc.Outbox(writer)
+        # A trailer is a region's name or a CONTROL's JSON and data, at most one request's output.
+        max_trailer = self.settings.max_request_samples * int(self.hello["cout"]) * 4 + (1 << 16)
         buffer = b""
         while True:
             try:
@@ -204,7 +206,11 @@ class Engine:
             if not data:
                 return
             buffer = buffer + data if buffer else data
-            records, used = ipc.requests(buffer)
+            try:
+                records, used = ipc.requests(buffer, max_trailer)
+            except ValueError as exc:  # a corrupt stream: nothing after it can be read as records
+                log.error("engine %d: a front end's stream is corrupt, dropping its connection: %s", self.index, exc)
+                return
             for record, trailer in records:
                 self._request(record, trailer, arena, pending, outbox)
             buffer = buffer[used:]

@@ -322,6 +322,21 @@ def test_front_end_loses_its_engine(tmp_path):
     asyncio.run(main())
 
 
+def test_a_record_announcing_more_trailer_than_any_request_has_ends_the_connection(tmp_path):
+    """A record's trailer length comes from the front end: one no request can have (a corrupted stream) must not
+    make the engine buffer up to 4 GiB and wait for it, swallowing every later record of that front end."""
+    from voxserve.server.topology import ipc
+
+    async def main():
+        async with engine_and_runner(tmp_path) as (_engine, runner, _stop, lost):
+            runner.links[0].outbox.put(ipc.REQUEST.pack(ipc.CONTROL, 0, 0xFFFFFFFF, 1, 0, 0, float("nan"),
+                                                        0, 0, 0, 0, 0))
+            await asyncio.wait_for(_until(lambda: runner.device_lost is not None), 30)
+            assert lost
+
+    asyncio.run(main())
+
+
 def test_cuda_regions_through_a_front_end_are_mapped_read_and_written_by_the_engine(tmp_path):
     """CUDA shared memory with --frontends (the fake device layer standing in for the GPU): a registration goes to
     the engine, which opens the handle and checks it; the front end knows the region by its shared record; the
