@@ -75,7 +75,12 @@ class HandleChecker:
             self._stop(proc)
             return {"reason": "reading the memory it maps faulted (the handle does not name memory its exporter "
                               "allocated)", "cuda_error": "cudaErrorIllegalAddress"}
-        answer = json.loads(line)
+        answer = _parse(line)
+        if answer is None or ("extent" in answer and type(answer["extent"]) is not int):
+            # Not an answer: whatever it still writes must not be read as the next handle's
+            log.warning("the CUDA IPC handle checker wrote %r: starting another for the next handle", line[:200])
+            self._stop(proc)
+            return {"reason": "the process that checks CUDA IPC handles answered garbage"}
         if answer.get("exit"):  # its context cannot be trusted any more
             self._stop(proc)
         return answer
@@ -86,11 +91,16 @@ class HandleChecker:
         try:
             proc = subprocess.Popen(self.command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
                                     bufsize=1, close_fds=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-            line = _readline(proc, START_TIMEOUT_S)
-        except (OSError, TimeoutError) as exc:
+        except OSError as exc:
             log.error("the CUDA IPC handle checker did not start: %s", exc)
             return None
-        if json.loads(line or "{}").get("ready") is not True:
+        try:
+            line = _readline(proc, START_TIMEOUT_S)
+        except TimeoutError as exc:
+            log.error("the CUDA IPC handle checker did not start: %s", exc)
+            self._stop(proc)
+            return None
+        if (_parse(line) or {}).get("ready") is not True:
             log.error("the CUDA IPC handle checker did not start: %s", line.strip() or "it exited")
             self._stop(proc)
             return None
@@ -111,6 +121,15 @@ class HandleChecker:
         with self._lock:
             if self._proc is not None:
                 self._stop(self._proc)
+
+
+def _parse(line: str) -> dict | None:
+    """The child's JSON object on ``line``; None for anything else."""
+    try:
+        answer = json.loads(line)
+    except ValueError:
+        return None
+    return answer if isinstance(answer, dict) else None
 
 
 def _readline(proc: subprocess.Popen[str], timeout_s: float) -> str:

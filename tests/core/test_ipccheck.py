@@ -4,6 +4,7 @@ the real child runs in the GPU tests (tests/core/test_cuda_shm_hostile_gpu.py)."
 
 from __future__ import annotations
 
+import os
 import sys
 
 import pytest
@@ -24,6 +25,11 @@ for line in sys.stdin:
         sys.exit(1)  # the read faulted and took the process with it
     elif handle[0] == 3:
         time.sleep(60)
+    elif handle[0] == 5:  # something else on its stdout first (a library's message), then its answer
+        print("a line that is not an answer", flush=True)
+        print(json.dumps({"extent": 4096 * handle[1]}), flush=True)
+    elif handle[0] == 6:
+        print(json.dumps(["not", "an", "object"]), flush=True)
     elif handle[0] == 4:
         print(json.dumps({"reason": "reading the memory it maps failed (cuMemcpyDtoD)",
                           "cuda_error": "CUDA_ERROR_ILLEGAL_ADDRESS", "exit": True}), flush=True)
@@ -76,6 +82,27 @@ def test_a_child_that_hangs_is_killed_and_replaced(checker, monkeypatch):
     monkeypatch.setattr(ipccheck, "CHECK_TIMEOUT_S", 0.5)
     assert "did not answer in time" in _refused(checker, _handle(3)).reason
     assert checker.check(_handle(1), 0) == 4096 and checker.started == 2
+
+
+def test_a_child_that_answers_garbage_is_replaced_and_the_next_handle_gets_its_own_answer(checker):
+    """A line that is not an answer refuses the handle with a DeviceMemoryError (the registry's INVALID_ARGUMENT,
+    not an INTERNAL error) and ends the child: the answer it may still send must never be taken for the next
+    handle's."""
+    assert "garbage" in _refused(checker, _handle(5, 2)).reason
+    assert checker.check(_handle(1, 7), 0) == 7 * 4096 and checker.started == 2
+    assert "garbage" in _refused(checker, _handle(6)).reason
+    assert checker.check(_handle(1, 3), 0) == 3 * 4096 and checker.started == 3
+
+
+def test_a_child_that_starts_with_garbage_is_stopped(tmp_path):
+    pid_file = str(tmp_path / "pid")
+    broken = HandleChecker([sys.executable, "-c", f"import os, sys; open({pid_file!r}, 'w').write(str(os.getpid()));"
+                            "print('not a hello', flush=True); sys.stdin.read()"])
+    assert "could not start" in _refused(broken, _handle(1)).reason
+    with open(pid_file) as f:
+        pid = int(f.read())
+    with pytest.raises(ChildProcessError):  # killed and reaped: not left blocked on its stdin
+        os.waitpid(pid, os.WNOHANG)
 
 
 def test_no_child_no_registration():
