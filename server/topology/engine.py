@@ -227,6 +227,10 @@ class Engine:
             task = asyncio.create_task(self._control(req_id, trailer, outbox))
             self._controls.add(task)
             task.add_done_callback(self._controls.discard)
+            # Cancellable as a request is (the front end stopped waiting: a registration then leaves nothing
+            # registered, as in one process); cancelled, possibly before it ran, it is answered here.
+            pending[req_id] = task
+            task.add_done_callback(_ControlDone(outbox, pending, req_id, self.settings.model_name))
             return
         model_name = self.settings.model_name
         lease = None
@@ -281,6 +285,21 @@ class Engine:
             outbox.put(_error_reply(req_id, exc, self.settings.model_name))
             return
         outbox.put(ipc.REPLY.pack(ipc.OK, 0, 0, req_id, 0, 0))
+
+
+class _ControlDone:
+    """The done-callback of a CONTROL's task: out of ``pending``; a cancelled one's reply (``_control`` answers
+    the others)."""
+
+    __slots__ = ("model_name", "outbox", "pending", "req_id")
+
+    def __init__(self, outbox: ipc.Outbox, pending: dict, req_id: int, model_name: str) -> None:
+        self.outbox, self.pending, self.req_id, self.model_name = outbox, pending, req_id, model_name
+
+    def __call__(self, task: asyncio.Future) -> None:
+        self.pending.pop(self.req_id, None)
+        if task.cancelled():
+            self.outbox.put(_error_reply(self.req_id, ServingError(Status.CANCELLED, "cancelled"), self.model_name))
 
 
 class _Reply:

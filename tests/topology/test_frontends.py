@@ -337,6 +337,42 @@ def test_a_record_announcing_more_trailer_than_any_request_has_ends_the_connecti
     asyncio.run(main())
 
 
+def test_a_registration_cancelled_through_a_front_end_is_cancelled_in_the_engine(tmp_path):
+    """A client that stops waiting for its registration (a deadline, a cancel) leaves nothing registered, as in
+    one process: the engine's registration is cancelled too (its mapping closed once the open returns), and the
+    name stays free for the client's retry."""
+    regions = tmp_path / "regions"
+    regions.mkdir()
+    fake = FakeDeviceMemory(1)
+    gate, called = threading.Event(), threading.Event()
+    opening = fake.open
+
+    def slow_open(handle, device):
+        called.set()
+        gate.wait(30)
+        return opening(handle, device)
+
+    fake.open = slow_open
+
+    async def main():
+        async with engine_and_runner(tmp_path, regions_dir=str(regions), device_memory=fake) as (_e, runner, _s, _l):
+            front = EngineCudaSharedMemory(runner, 8, None, str(regions))
+            handle = fake.export(4096)
+            task = asyncio.create_task(front.register("r", handle, 0, 4096))
+            await asyncio.wait_for(asyncio.to_thread(called.wait, 30), 30)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            gate.set()
+            await asyncio.wait_for(_until(lambda: runner.outstanding == 0 and fake.opens == 1 and fake.mapped == 0),
+                                   30)
+            assert not front.holds("r")
+            await front.register("r", handle, 0, 4096)  # the retry
+            assert front.holds("r")
+
+    asyncio.run(main())
+
+
 def test_cuda_regions_through_a_front_end_are_mapped_read_and_written_by_the_engine(tmp_path):
     """CUDA shared memory with --frontends (the fake device layer standing in for the GPU): a registration goes to
     the engine, which opens the handle and checks it; the front end knows the region by its shared record; the
