@@ -167,6 +167,7 @@ class _Driver:
         lib.cuMemGetAddressRange_v2.argtypes = [p(u64), p(size_t), u64]
         lib.cuMemAlloc_v2.argtypes = [p(u64), size_t]
         lib.cuMemcpyDtoD_v2.argtypes = [u64, u64, size_t]
+        lib.cuCtxSynchronize.argtypes = []
         self.lib = lib
         self._check(lib.cuInit(0), "cuInit")
         self._contexts: dict[int, tuple[ctypes.c_void_p, int]] = {}  # device -> (primary context, scratch buffer)
@@ -212,6 +213,9 @@ class _Driver:
                 n = min(CHUNK_BYTES, extent - done)
                 self._check(self.lib.cuMemcpyDtoD_v2(scratch, address.value + done, n), "cuMemcpyDtoD")
                 done += n
+            # A device-to-device copy returns before it is done (no host-side synchronization): its fault is
+            # known only here
+            self._check(self.lib.cuCtxSynchronize(), "cuCtxSynchronize")
         except _Failed as failed:
             return {"reason": f"reading the memory it maps failed ({failed.call})", "cuda_error": failed.name,
                     "exit": True}

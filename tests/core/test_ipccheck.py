@@ -4,6 +4,7 @@ the real child runs in the GPU tests (tests/core/test_cuda_shm_hostile_gpu.py)."
 
 from __future__ import annotations
 
+import ctypes
 import os
 import sys
 
@@ -129,3 +130,39 @@ def test_the_childs_handle_is_the_clients_64_bytes_nuls_and_all():
     handle would then fail to open in the child)."""
     handle = bytes([7, 0, 0, 9]) + bytes(58) + b"\x00\xff"
     assert bytes(ipccheck._Handle.from_buffer_copy(handle)) == handle
+
+
+class _AsyncFaultDriver:
+    """libcuda's calls as the child makes them, for a handle whose range faults: a device-to-device copy returns
+    at once (the driver API does no host-side synchronization for one), and its fault is known only once the
+    context is synchronized; closing the mapping says nothing of it."""
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+
+    def __getattr__(self, name: str):
+        def call(*args):
+            self.calls.append(name)
+            if name == "cuIpcOpenMemHandle_v2":
+                args[0]._obj.value = 1 << 20
+            elif name == "cuMemGetAddressRange_v2":
+                args[0]._obj.value, args[1]._obj.value = 1 << 20, 3 * ipccheck.CHUNK_BYTES // 2
+            elif name == "cuGetErrorName":
+                args[1]._obj.value = b"CUDA_ERROR_ILLEGAL_ADDRESS"
+            elif name == "cuCtxSynchronize":
+                return 700  # CUDA_ERROR_ILLEGAL_ADDRESS, of a copy above
+            return 0
+
+        return call
+
+
+def test_the_child_reports_a_range_read_only_once_the_copies_are_done():
+    """The extent is the answer only after every copy of the range has completed: an answer sent while they are
+    still queued would pass a handle whose read then faults (and the child's next check would carry the error)."""
+    fake = _AsyncFaultDriver()
+    driver = object.__new__(ipccheck._Driver)
+    driver.lib, driver._contexts = fake, {0: (ctypes.c_void_p(), 1 << 30)}
+    answer = driver.check(_handle(1), 0)
+    assert fake.calls.count("cuMemcpyDtoD_v2") == 2
+    assert answer.get("exit") is True and answer["cuda_error"] == "CUDA_ERROR_ILLEGAL_ADDRESS", answer
+    assert "extent" not in answer
