@@ -280,8 +280,12 @@ class CudaSharedMemoryRegistry:
             lease.release()
 
     async def store(self, name: str, offset: int, data: bytes, what: str) -> None:
-        """``write``, for the inference path (a front end's registry sends it to the engine instead)."""
-        self.write(name, offset, data, what)
+        """``write``, for the inference path (a front end's registry sends it to the engine instead); off the event
+        loop when the region is yet to be opened in this process (a blocking open, and the handle's check)."""
+        if self.opened(name):
+            self.write(name, offset, data, what)
+        else:
+            await asyncio.to_thread(self.write, name, offset, data, what)
 
     def _open_here(self, region: CudaRegion, what: str) -> Mapping:
         """Open a region registered by another replica (under the region's ``opening`` lock: one open per region and

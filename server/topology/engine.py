@@ -278,7 +278,7 @@ class Engine:
             elif op == "forget":  # unregistered by another engine: drop this one's mapping, if any
                 self.cuda_shm.status("")
             elif op == "write":
-                self.cuda_shm.write(name, int(operation["offset"]), data, str(operation["what"]))
+                await self.cuda_shm.store(name, int(operation["offset"]), data, str(operation["what"]))
             else:
                 raise ServingError(Status.INTERNAL, f"unknown operation {op!r}")
         except Exception as exc:

@@ -442,6 +442,27 @@ def test_a_replicas_first_use_of_a_region_opens_it_outside_the_lock_and_off_the_
     asyncio.run(a.unregister(""))
 
 
+def test_a_replicas_first_output_into_a_region_opens_it_off_the_event_loop(tmp_path):
+    """An output into a region another replica registered (its input on the wire, or in another region) is this
+    replica's first use of it: the open (and the handle's check, a read of the whole allocation) must not run on
+    the event loop, which every request of the replica waits on."""
+    fake, a = _registry(shared_dir=str(tmp_path))
+    _, b = _registry(shared_dir=str(tmp_path))
+    b.devices = fake
+    handle = fake.export(64)
+    asyncio.run(a.register("out", handle, 0, 64))
+    fake.open_threads.clear()
+
+    async def store() -> str:
+        await b.store("out", 0, b"y" * 64, "output 'output'")
+        return threading.current_thread().name
+
+    loop_thread = asyncio.run(store())
+    assert fake.contents(handle) == b"y" * 64 and fake.open_threads and loop_thread not in fake.open_threads
+    asyncio.run(store())  # mapped here now: written inline
+    asyncio.run(a.unregister(""))
+
+
 # --- the RPCs over real gRPC, against an in-process server given the fake layer ---------------------------------------
 
 class _FakeLayerServer(ServerThread):
