@@ -27,6 +27,7 @@ import threading
 from collections.abc import Sequence
 
 from .devicemem import HANDLE_BYTES, DeviceMemoryError
+from .errors import ServingError, Status
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +49,8 @@ class HandleChecker:
     def check(self, handle: bytes, device: int) -> int:
         """The bytes from the address ``handle`` maps on ``device`` to the end of its range, once another process
         has read them all; DeviceMemoryError (a sentence for the client, CUDA's name) if it does not open or does
-        not read. Blocking: call it off the event loop."""
+        not read; ServingError UNAVAILABLE when the server cannot check it (its checking process does not start,
+        or answers garbage). Blocking: call it off the event loop."""
         if len(handle) != HANDLE_BYTES:
             raise DeviceMemoryError(f"a CUDA IPC handle is {HANDLE_BYTES} bytes, not {len(handle)}")
         with self._lock:
@@ -56,12 +58,15 @@ class HandleChecker:
         if "extent" in answer:
             return int(answer["extent"])
         reason = str(answer.get("reason", "it could not be checked"))
+        if answer.get("unavailable"):  # the server's failure, not the handle's: the client may retry
+            raise ServingError(Status.UNAVAILABLE, f"the CUDA IPC handle could not be checked: {reason}; retry")
         raise DeviceMemoryError(reason, str(answer.get("cuda_error", "")))
 
     def _ask(self, request: dict) -> dict:
         proc = self._child()
         if proc is None:
-            return {"reason": "the server could not start the process that checks CUDA IPC handles (see its log)"}
+            return {"reason": "the server could not start the process that checks CUDA IPC handles (see its log)",
+                    "unavailable": True}
         assert proc.stdin is not None and proc.stdout is not None
         try:
             proc.stdin.write(json.dumps(request) + "\n")
@@ -80,7 +85,7 @@ class HandleChecker:
             # Not an answer: whatever it still writes must not be read as the next handle's
             log.warning("the CUDA IPC handle checker wrote %r: starting another for the next handle", line[:200])
             self._stop(proc)
-            return {"reason": "the process that checks CUDA IPC handles answered garbage"}
+            return {"reason": "the process that checks CUDA IPC handles answered garbage", "unavailable": True}
         if answer.get("exit"):  # its context cannot be trusted any more
             self._stop(proc)
         return answer

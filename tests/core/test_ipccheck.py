@@ -12,6 +12,7 @@ import pytest
 
 from voxserve.server.core import ipccheck
 from voxserve.server.core.devicemem import DeviceMemoryError
+from voxserve.server.core.errors import ServingError, Status
 from voxserve.server.core.ipccheck import HandleChecker
 
 # The handle's first byte says what the stand-in does with it.
@@ -57,6 +58,14 @@ def _refused(checker: HandleChecker, handle: bytes) -> DeviceMemoryError:
     return err.value
 
 
+def _unavailable(checker: HandleChecker, handle: bytes) -> str:
+    """The server's own failure to check a handle: UNAVAILABLE (retry), not the client's INVALID_ARGUMENT."""
+    with pytest.raises(ServingError) as err:
+        checker.check(handle, 0)
+    assert err.value.code == Status.UNAVAILABLE
+    return err.value.message
+
+
 def test_a_handle_whose_range_reads_gives_its_extent(checker):
     assert checker.check(_handle(1, 3), 0) == 3 * 4096
     assert checker.check(_handle(1, 5), 1) == 5 * 4096
@@ -86,12 +95,11 @@ def test_a_child_that_hangs_is_killed_and_replaced(checker, monkeypatch):
 
 
 def test_a_child_that_answers_garbage_is_replaced_and_the_next_handle_gets_its_own_answer(checker):
-    """A line that is not an answer refuses the handle with a DeviceMemoryError (the registry's INVALID_ARGUMENT,
-    not an INTERNAL error) and ends the child: the answer it may still send must never be taken for the next
-    handle's."""
-    assert "garbage" in _refused(checker, _handle(5, 2)).reason
+    """A line that is not an answer refuses the handle (UNAVAILABLE: the server's fault, not an INTERNAL error
+    escaping) and ends the child: the answer it may still send must never be taken for the next handle's."""
+    assert "garbage" in _unavailable(checker, _handle(5, 2))
     assert checker.check(_handle(1, 7), 0) == 7 * 4096 and checker.started == 2
-    assert "garbage" in _refused(checker, _handle(6)).reason
+    assert "garbage" in _unavailable(checker, _handle(6))
     assert checker.check(_handle(1, 3), 0) == 3 * 4096 and checker.started == 3
 
 
@@ -99,7 +107,7 @@ def test_a_child_that_starts_with_garbage_is_stopped(tmp_path):
     pid_file = str(tmp_path / "pid")
     broken = HandleChecker([sys.executable, "-c", f"import os, sys; open({pid_file!r}, 'w').write(str(os.getpid()));"
                             "print('not a hello', flush=True); sys.stdin.read()"])
-    assert "could not start" in _refused(broken, _handle(1)).reason
+    assert "could not start" in _unavailable(broken, _handle(1))
     with open(pid_file) as f:
         pid = int(f.read())
     with pytest.raises(ChildProcessError):  # killed and reaped: not left blocked on its stdin
@@ -108,7 +116,7 @@ def test_a_child_that_starts_with_garbage_is_stopped(tmp_path):
 
 def test_no_child_no_registration():
     broken = HandleChecker([sys.executable, "-c", "import json; print(json.dumps({'ready': False}))"])
-    assert "could not start" in _refused(broken, _handle(1)).reason
+    assert "could not start" in _unavailable(broken, _handle(1))
     assert "64 bytes" in _refused(broken, b"short").reason
 
 
@@ -122,7 +130,7 @@ def test_the_real_child_says_why_it_cannot_start_without_a_driver(monkeypatch):
     except OSError:
         pass
     real = HandleChecker()
-    assert "could not start" in _refused(real, _handle(1)).reason and real.started == 0
+    assert "could not start" in _unavailable(real, _handle(1)) and real.started == 0
 
 
 def test_the_childs_handle_is_the_clients_64_bytes_nuls_and_all():
