@@ -6,6 +6,7 @@ from __future__ import annotations
 import ast
 import asyncio
 import base64
+import concurrent.futures
 import ctypes
 import dataclasses
 import functools
@@ -386,6 +387,38 @@ def test_a_registration_cancelled_while_its_handle_opens_leaves_nothing_open():
     asyncio.run(scenario())
     assert (fake.opens, fake.closes) == (1, 1) and reg.status("") == []
     asyncio.run(reg.register("r", fake.export(64), 0, 64))  # the name was given back
+
+
+def test_registrations_waiting_for_their_handles_leave_the_event_loops_threads_to_the_other_work():
+    """Opening a handle waits for the handle's check (one at a time, each a read of a whole allocation): a burst
+    of registrations (up to --max-cuda-shm-regions of them, one allocation's handle under many names) must not
+    take every thread of the event loop's default executor, on which system shared-memory inputs are copied and
+    mappings closed."""
+    fake, reg = _registry(max_regions=8)
+    gate, started = threading.Event(), threading.Event()
+    real_open = fake.open
+
+    def slow_open(handle, device):
+        started.set()
+        gate.wait(30)
+        return real_open(handle, device)
+
+    fake.open = slow_open  # type: ignore[method-assign]
+    handle = fake.export(64)
+
+    async def scenario():
+        asyncio.get_running_loop().set_default_executor(concurrent.futures.ThreadPoolExecutor(2))
+        registering = [asyncio.create_task(reg.register(f"r{i}", handle, 0, 64)) for i in range(4)]
+        await asyncio.sleep(0)
+        started.wait(30)
+        try:
+            assert await asyncio.wait_for(asyncio.to_thread(lambda: 7), 10) == 7
+        finally:
+            gate.set()
+            await asyncio.gather(*registering)
+
+    asyncio.run(scenario())
+    assert len(reg.status("")) == 4 and fake.mapped == 4
 
 
 def test_replicas_share_names_and_open_their_own_mappings(tmp_path):
