@@ -27,6 +27,7 @@ import threading
 from collections.abc import Sequence
 
 from .devicemem import HANDLE_BYTES, DeviceMemoryError
+from .errors import ServingError, Status
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +49,8 @@ class HandleChecker:
     def check(self, handle: bytes, device: int) -> int:
         """The bytes from the address ``handle`` maps on ``device`` to the end of its range, once another process
         has read them all; DeviceMemoryError (a sentence for the client, CUDA's name) if it does not open or does
-        not read. Blocking: call it off the event loop."""
+        not read; ServingError UNAVAILABLE when the server cannot check it (its checking process does not start,
+        or answers garbage). Blocking: call it off the event loop."""
         if len(handle) != HANDLE_BYTES:
             raise DeviceMemoryError(f"a CUDA IPC handle is {HANDLE_BYTES} bytes, not {len(handle)}")
         with self._lock:
@@ -56,12 +58,15 @@ class HandleChecker:
         if "extent" in answer:
             return int(answer["extent"])
         reason = str(answer.get("reason", "it could not be checked"))
+        if answer.get("unavailable"):  # the server's failure, not the handle's: the client may retry
+            raise ServingError(Status.UNAVAILABLE, f"the CUDA IPC handle could not be checked: {reason}; retry")
         raise DeviceMemoryError(reason, str(answer.get("cuda_error", "")))
 
     def _ask(self, request: dict) -> dict:
         proc = self._child()
         if proc is None:
-            return {"reason": "the server could not start the process that checks CUDA IPC handles (see its log)"}
+            return {"reason": "the server could not start the process that checks CUDA IPC handles (see its log)",
+                    "unavailable": True}
         assert proc.stdin is not None and proc.stdout is not None
         try:
             proc.stdin.write(json.dumps(request) + "\n")
@@ -75,7 +80,12 @@ class HandleChecker:
             self._stop(proc)
             return {"reason": "reading the memory it maps faulted (the handle does not name memory its exporter "
                               "allocated)", "cuda_error": "cudaErrorIllegalAddress"}
-        answer = json.loads(line)
+        answer = _parse(line)
+        if answer is None or ("extent" in answer and type(answer["extent"]) is not int):
+            # Not an answer: whatever it still writes must not be read as the next handle's
+            log.warning("the CUDA IPC handle checker wrote %r: starting another for the next handle", line[:200])
+            self._stop(proc)
+            return {"reason": "the process that checks CUDA IPC handles answered garbage", "unavailable": True}
         if answer.get("exit"):  # its context cannot be trusted any more
             self._stop(proc)
         return answer
@@ -86,11 +96,16 @@ class HandleChecker:
         try:
             proc = subprocess.Popen(self.command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
                                     bufsize=1, close_fds=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-            line = _readline(proc, START_TIMEOUT_S)
-        except (OSError, TimeoutError) as exc:
+        except OSError as exc:
             log.error("the CUDA IPC handle checker did not start: %s", exc)
             return None
-        if json.loads(line or "{}").get("ready") is not True:
+        try:
+            line = _readline(proc, START_TIMEOUT_S)
+        except TimeoutError as exc:
+            log.error("the CUDA IPC handle checker did not start: %s", exc)
+            self._stop(proc)
+            return None
+        if (_parse(line) or {}).get("ready") is not True:
             log.error("the CUDA IPC handle checker did not start: %s", line.strip() or "it exited")
             self._stop(proc)
             return None
@@ -111,6 +126,15 @@ class HandleChecker:
         with self._lock:
             if self._proc is not None:
                 self._stop(self._proc)
+
+
+def _parse(line: str) -> dict | None:
+    """The child's JSON object on ``line``; None for anything else."""
+    try:
+        answer = json.loads(line)
+    except ValueError:
+        return None
+    return answer if isinstance(answer, dict) else None
 
 
 def _readline(proc: subprocess.Popen[str], timeout_s: float) -> str:
@@ -148,6 +172,7 @@ class _Driver:
         lib.cuMemGetAddressRange_v2.argtypes = [p(u64), p(size_t), u64]
         lib.cuMemAlloc_v2.argtypes = [p(u64), size_t]
         lib.cuMemcpyDtoD_v2.argtypes = [u64, u64, size_t]
+        lib.cuCtxSynchronize.argtypes = []
         self.lib = lib
         self._check(lib.cuInit(0), "cuInit")
         self._contexts: dict[int, tuple[ctypes.c_void_p, int]] = {}  # device -> (primary context, scratch buffer)
@@ -193,6 +218,9 @@ class _Driver:
                 n = min(CHUNK_BYTES, extent - done)
                 self._check(self.lib.cuMemcpyDtoD_v2(scratch, address.value + done, n), "cuMemcpyDtoD")
                 done += n
+            # A device-to-device copy returns before it is done (no host-side synchronization): its fault is
+            # known only here
+            self._check(self.lib.cuCtxSynchronize(), "cuCtxSynchronize")
         except _Failed as failed:
             return {"reason": f"reading the memory it maps failed ({failed.call})", "cuda_error": failed.name,
                     "exit": True}

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import concurrent.futures
 import contextlib
 import functools
 import json
@@ -113,6 +114,7 @@ class CudaSharedMemoryRegistry:
         self._pending: set[str] = set()  # names whose handle is being opened
         self._draining: list[CudaRegion] = []  # unregistered, still leased
         self._lock = threading.Lock()
+        self._opener: concurrent.futures.ThreadPoolExecutor | None = None  # where registrations open handles
         # Leases' ends, from wherever their last reference went (a finalizer may run inside one of this registry's
         # own locked calls: the lock is not reentrant), accounted whenever the lock is free.
         self._releases: leases.Releases[CudaRegion] = leases.Releases(self._lock, self._ended, self._close_drained)
@@ -191,7 +193,13 @@ class CudaSharedMemoryRegistry:
     async def _open(self, name: str, handle: bytes, device_id: int) -> Mapping:
         """The handle opened off the event loop; a registration cancelled meanwhile closes what the open returns."""
         loop = asyncio.get_running_loop()
-        opening = loop.run_in_executor(None, self.devices.open, handle, device_id)
+        # A thread of the registry's own: opens wait on the handle's check, one at a time (ipccheck.py), and a
+        # burst of them must not take the default executor's threads from the other work of the loop.
+        with self._lock:
+            if self._opener is None:
+                self._opener = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="cuda-shm-open")
+            opener = self._opener
+        opening = loop.run_in_executor(opener, self.devices.open, handle, device_id)
         try:
             return await asyncio.shield(opening)
         except DeviceMemoryError as exc:
@@ -280,8 +288,12 @@ class CudaSharedMemoryRegistry:
             lease.release()
 
     async def store(self, name: str, offset: int, data: bytes, what: str) -> None:
-        """``write``, for the inference path (a front end's registry sends it to the engine instead)."""
-        self.write(name, offset, data, what)
+        """``write``, for the inference path (a front end's registry sends it to the engine instead); off the event
+        loop when the region is yet to be opened in this process (a blocking open, and the handle's check)."""
+        if self.opened(name):
+            self.write(name, offset, data, what)
+        else:
+            await asyncio.to_thread(self.write, name, offset, data, what)
 
     def _open_here(self, region: CudaRegion, what: str) -> Mapping:
         """Open a region registered by another replica (under the region's ``opening`` lock: one open per region and
@@ -374,6 +386,9 @@ class CudaSharedMemoryRegistry:
             regions = [*self._regions.values(), *self._draining]
             self._regions.clear()
             self._draining.clear()
+            if self._opener is not None:
+                self._opener.shutdown(wait=False)
+                self._opener = None
         self._close_all([r for r in regions if r.mapping is not None])
 
     def _close_all(self, regions: list[CudaRegion]) -> None:

@@ -219,6 +219,8 @@ class Engine:
                         pending: dict[int, asyncio.Future]) -> None:
         """Read request records as they come (every whole one in a read at once) until the front end hangs up."""
         outbox = ipc.Outbox(writer)
+        # A trailer is a region's name or a CONTROL's JSON and data, at most one request's output.
+        max_trailer = self.settings.max_request_samples * int(self.hello["cout"]) * 4 + (1 << 16)
         buffer = b""
         while True:
             try:
@@ -228,7 +230,11 @@ class Engine:
             if not data:
                 return
             buffer = buffer + data if buffer else data
-            records, used = ipc.requests(buffer)
+            try:
+                records, used = ipc.requests(buffer, max_trailer)
+            except ValueError as exc:  # a corrupt stream: nothing after it can be read as records
+                log.error("engine %d: a front end's stream is corrupt, dropping its connection: %s", self.index, exc)
+                return
             for record, trailer in records:
                 self._request(record, trailer, arena, pending, outbox)
             buffer = buffer[used:]
@@ -245,6 +251,10 @@ class Engine:
             task = asyncio.create_task(self._control(req_id, trailer, outbox))
             self._controls.add(task)
             task.add_done_callback(self._controls.discard)
+            # Cancellable as a request is (the front end stopped waiting: a registration then leaves nothing
+            # registered, as in one process); cancelled, possibly before it ran, it is answered here.
+            pending[req_id] = task
+            task.add_done_callback(_ControlDone(outbox, pending, req_id, self.settings.model_name))
             return
         model_name = self.settings.model_name
         lease = None
@@ -311,13 +321,28 @@ class Engine:
             elif op == "forget":  # unregistered by another engine: drop this one's mapping, if any
                 self.cuda_shm.status("")
             elif op == "write":
-                self.cuda_shm.write(name, int(operation["offset"]), data, str(operation["what"]))
+                await self.cuda_shm.store(name, int(operation["offset"]), data, str(operation["what"]))
             else:
                 raise ServingError(Status.INTERNAL, f"unknown operation {op!r}")
         except Exception as exc:
             outbox.put(_error_reply(req_id, exc, self.settings.model_name))
             return
         outbox.put(ipc.REPLY.pack(ipc.OK, 0, 0, req_id, 0, 0))
+
+
+class _ControlDone:
+    """The done-callback of a CONTROL's task: out of ``pending``; a cancelled one's reply (``_control`` answers
+    the others)."""
+
+    __slots__ = ("model_name", "outbox", "pending", "req_id")
+
+    def __init__(self, outbox: ipc.Outbox, pending: dict, req_id: int, model_name: str) -> None:
+        self.outbox, self.pending, self.req_id, self.model_name = outbox, pending, req_id, model_name
+
+    def __call__(self, task: asyncio.Future) -> None:
+        self.pending.pop(self.req_id, None)
+        if task.cancelled():
+            self.outbox.put(_error_reply(self.req_id, ServingError(Status.CANCELLED, "cancelled"), self.model_name))
 
 
 class _Reply:

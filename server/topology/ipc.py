@@ -167,12 +167,16 @@ def replies(buffer: bytearray) -> tuple[list[tuple[tuple, bytes]], int]:
     return out, pos
 
 
-def requests(buffer: bytes) -> tuple[list[tuple[tuple, bytes]], int]:
+def requests(buffer: bytes, max_trailer: int) -> tuple[list[tuple[tuple, bytes]], int]:
     """The whole request records at the start of ``buffer``: [(fields, the bytes that follow it)], and the bytes
-    they span."""
+    they span. ValueError for a record announcing more than ``max_trailer`` bytes after it: no request has that
+    many, the stream is corrupt (it cannot be resynchronized)."""
     out, pos, size, view = [], 0, REQUEST.size, memoryview(buffer)
     while len(buffer) - pos >= size:
         fields = REQUEST.unpack_from(buffer, pos)
+        if fields[2] > max_trailer:
+            raise ValueError(f"a request record announces {fields[2]} bytes after it, more than any request has "
+                             f"({max_trailer})")
         end = pos + size + fields[2]
         if end > len(buffer):
             break

@@ -139,11 +139,12 @@ class RemoteRunner:
         return live
 
     def engine_for(self, device_id: int) -> EngineLink:
-        """The engine that executes on CUDA device ``device_id`` (it maps the regions there), else the least busy."""
+        """The engine that executes on CUDA device ``device_id`` (it maps the regions there), else the first live
+        one: always the same, so that a region's registration, reads and writes go to one engine (another would
+        open the handle on its event loop)."""
         live = self._live()
         place = f"cuda:{device_id}"
-        return next((lk for lk in live if place in lk.hello["device"].split(",")),
-                    min(live, key=lambda lk: len(lk.pending)))
+        return next((lk for lk in live if place in lk.hello["device"].split(",")), live[0])
 
     async def run(self, arr: np.ndarray | DeviceArray | RegionTensor, datatype: str,
                   timeout_s: float | None = None) -> BatchResult:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import ast
 import asyncio
 import base64
+import concurrent.futures
 import ctypes
 import dataclasses
 import functools
@@ -388,6 +389,38 @@ def test_a_registration_cancelled_while_its_handle_opens_leaves_nothing_open():
     asyncio.run(reg.register("r", fake.export(64), 0, 64))  # the name was given back
 
 
+def test_registrations_waiting_for_their_handles_leave_the_event_loops_threads_to_the_other_work():
+    """Opening a handle waits for the handle's check (one at a time, each a read of a whole allocation): a burst
+    of registrations (up to --max-cuda-shm-regions of them, one allocation's handle under many names) must not
+    take every thread of the event loop's default executor, on which system shared-memory inputs are copied and
+    mappings closed."""
+    fake, reg = _registry(max_regions=8)
+    gate, started = threading.Event(), threading.Event()
+    real_open = fake.open
+
+    def slow_open(handle, device):
+        started.set()
+        gate.wait(30)
+        return real_open(handle, device)
+
+    fake.open = slow_open  # type: ignore[method-assign]
+    handle = fake.export(64)
+
+    async def scenario():
+        asyncio.get_running_loop().set_default_executor(concurrent.futures.ThreadPoolExecutor(2))
+        registering = [asyncio.create_task(reg.register(f"r{i}", handle, 0, 64)) for i in range(4)]
+        await asyncio.sleep(0)
+        started.wait(30)
+        try:
+            assert await asyncio.wait_for(asyncio.to_thread(lambda: 7), 10) == 7
+        finally:
+            gate.set()
+            await asyncio.gather(*registering)
+
+    asyncio.run(scenario())
+    assert len(reg.status("")) == 4 and fake.mapped == 4
+
+
 def test_replicas_share_names_and_open_their_own_mappings(tmp_path):
     fake_a, a = _registry(shared_dir=str(tmp_path))
     fake_b, b = _registry(shared_dir=str(tmp_path))
@@ -439,6 +472,27 @@ def test_a_replicas_first_use_of_a_region_opens_it_outside_the_lock_and_off_the_
     b.lease("r", 0, 4, "input").release()
     assert locked_while_opening == [False]
     assert b.opened("r") and shared_memory_input_bytes(request, system) is None  # mapped: inline from now on
+    asyncio.run(a.unregister(""))
+
+
+def test_a_replicas_first_output_into_a_region_opens_it_off_the_event_loop(tmp_path):
+    """An output into a region another replica registered (its input on the wire, or in another region) is this
+    replica's first use of it: the open (and the handle's check, a read of the whole allocation) must not run on
+    the event loop, which every request of the replica waits on."""
+    fake, a = _registry(shared_dir=str(tmp_path))
+    _, b = _registry(shared_dir=str(tmp_path))
+    b.devices = fake
+    handle = fake.export(64)
+    asyncio.run(a.register("out", handle, 0, 64))
+    fake.open_threads.clear()
+
+    async def store() -> str:
+        await b.store("out", 0, b"y" * 64, "output 'output'")
+        return threading.current_thread().name
+
+    loop_thread = asyncio.run(store())
+    assert fake.contents(handle) == b"y" * 64 and fake.open_threads and loop_thread not in fake.open_threads
+    asyncio.run(store())  # mapped here now: written inline
     asyncio.run(a.unregister(""))
 
 

@@ -324,6 +324,100 @@ def test_front_end_loses_its_engine(tmp_path):
     asyncio.run(main())
 
 
+def test_a_record_announcing_more_trailer_than_any_request_has_ends_the_connection(tmp_path):
+    """A record's trailer length comes from the front end: one no request can have (a corrupted stream) must not
+    make the engine buffer up to 4 GiB and wait for it, swallowing every later record of that front end."""
+    from voxserve.server.topology import ipc
+
+    async def main():
+        async with engine_and_runner(tmp_path) as (_engine, runner, _stop, lost):
+            runner.links[0].outbox.put(ipc.REQUEST.pack(ipc.CONTROL, 0, 0xFFFFFFFF, 1, 0, 0, float("nan"),
+                                                        0, 0, 0, 0, 0))
+            await asyncio.wait_for(_until(lambda: runner.device_lost is not None), 30)
+            assert lost
+
+    asyncio.run(main())
+
+
+def test_a_registration_cancelled_through_a_front_end_is_cancelled_in_the_engine(tmp_path):
+    """A client that stops waiting for its registration (a deadline, a cancel) leaves nothing registered, as in
+    one process: the engine's registration is cancelled too (its mapping closed once the open returns), and the
+    name stays free for the client's retry."""
+    regions = tmp_path / "regions"
+    regions.mkdir()
+    fake = FakeDeviceMemory(1)
+    gate, called = threading.Event(), threading.Event()
+    opening = fake.open
+
+    def slow_open(handle, device):
+        called.set()
+        gate.wait(30)
+        return opening(handle, device)
+
+    fake.open = slow_open
+
+    async def main():
+        async with engine_and_runner(tmp_path, regions_dir=str(regions), device_memory=fake) as (_e, runner, _s, _l):
+            front = EngineCudaSharedMemory(runner, 8, None, str(regions))
+            handle = fake.export(4096)
+            task = asyncio.create_task(front.register("r", handle, 0, 4096))
+            await asyncio.wait_for(asyncio.to_thread(called.wait, 30), 30)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            gate.set()
+            await asyncio.wait_for(_until(lambda: runner.outstanding == 0 and fake.opens == 1 and fake.mapped == 0),
+                                   30)
+            assert not front.holds("r")
+            await front.register("r", handle, 0, 4096)  # the retry
+            assert front.holds("r")
+
+    asyncio.run(main())
+
+
+def test_a_region_on_a_device_no_engine_runs_on_is_served_by_the_engine_that_registered_it(tmp_path):
+    """A client's region on a device none of the engines executes on (the engines on other GPUs) goes to one
+    engine for its registration, its reads and its writes: a read sent to another engine would open the handle
+    there, on that engine's event loop (the open and the check of the whole allocation stall every request it
+    serves)."""
+    regions = tmp_path / "regions"
+    regions.mkdir()
+    fake = FakeDeviceMemory(1)
+    rng = np.random.default_rng()
+    x = rng.standard_normal((1, 3, 5, 5, 5), dtype=np.float32)
+
+    async def main():
+        engines, servings, stop = [], [], asyncio.Event()
+        for i in range(2):
+            engine = Engine(Settings(device="cpu"), str(tmp_path / f"e{i}.sock"), index=i, regions_dir=str(regions),
+                            device_memory=fake)
+            await asyncio.to_thread(engine.load)
+            engines.append(engine)
+            servings.append(asyncio.create_task(engine.serve(stop)))
+        runner = await asyncio.wait_for(RemoteRunner.connect(
+            [e.socket_path for e in engines], Arena(16 * MiB), "test", BatchingConfig(True, 0.0, 64)), 30)
+        try:
+            front = EngineCudaSharedMemory(runner, 8, None, str(regions))
+            await front.register("r", fake.export(x.tobytes()), 0, x.nbytes)
+            tensor, _ = front.read("r", 0, x.shape, np.dtype(np.float32), "input 'input'")
+            loop = asyncio.get_running_loop()
+            busy = [loop.create_future() for _ in range(3)]  # the registering engine is the busier one now
+            owner = next(lk for lk in runner.links if lk.hello["engine"] == engines[0].index)
+            for n, future in enumerate(busy):
+                owner.pending[-1 - n] = (future, None)
+            r = await runner.run(tensor, "FP32")
+            for n in range(len(busy)):
+                del owner.pending[-1 - n]
+            assert relative_error(torch.from_numpy(r.output.copy()), _ref(x)) <= 1e-5
+            assert fake.opens == 1, fake.open_threads  # opened once, at registration, off the event loop
+        finally:
+            await runner.close()
+            stop.set()
+            await asyncio.wait_for(asyncio.gather(*servings), 30)
+
+    asyncio.run(main())
+
+
 def test_cuda_regions_through_a_front_end_are_mapped_read_and_written_by_the_engine(tmp_path):
     """CUDA shared memory with --frontends (the fake device layer standing in for the GPU): a registration goes to
     the engine, which opens the handle and checks it; the front end knows the region by its shared record; the
