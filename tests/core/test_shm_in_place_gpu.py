@@ -6,12 +6,10 @@ machine: bench/device_check.sh)."""
 
 from __future__ import annotations
 
-import contextlib
 import gc
 import os
 import threading
 import time
-import uuid
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -33,6 +31,7 @@ from voxserve.server.protocol.shm import SharedMemoryRegistry
 from voxserve.testing.fake_hostmem import FakePageLocker
 
 from ..conftest import running_server
+from ..protocol.test_shm_in_place import _segment
 
 pytestmark = pytest.mark.gpu
 
@@ -41,18 +40,6 @@ W, B = reference_weights()
 SHAPE = (8, 3, 16, 32, 32)
 
 
-@contextlib.contextmanager
-def _segment(data: bytes):
-    """A segment under /dev/shm, as (key, path); removed at the end."""
-    name = f"vox_dma_{uuid.uuid4().hex[:10]}"
-    path = f"/dev/shm/{name}"
-    with open(path, "wb") as f:
-        f.write(data)
-    try:
-        yield "/" + name, path
-    finally:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(path)
 
 
 def _ref(x: np.ndarray) -> torch.Tensor:
