@@ -143,9 +143,10 @@ class DeviceMemory(Protocol):
     def device_count(self) -> int:
         """The CUDA devices this process sees (a request's device_id is checked against it)."""
 
-    def open(self, handle: bytes, device: int) -> Mapping:
+    def open(self, handle: bytes, device: int, nbytes: int | None = None) -> Mapping:
         """Map the memory the ``HANDLE_BYTES``-byte ``handle`` names, in ``device``'s context; DeviceMemoryError
-        if it does not open (then nothing stays mapped)."""
+        if it does not open (then nothing stays mapped). ``nbytes``: how much of it, from the mapped address, the
+        caller will access (a region's byte_size; None: all of it): what must be known to read safely first."""
 
     def close(self, mapping: Mapping) -> None:
         """Unmap what ``open`` returned (once per open); DeviceMemoryError if CUDA refuses."""
@@ -174,7 +175,7 @@ class CudaDeviceMemory:
     def device_count(self) -> int:
         return self._count
 
-    def open(self, handle: bytes, device: int) -> Mapping:
+    def open(self, handle: bytes, device: int, nbytes: int | None = None) -> Mapping:
         if len(handle) != HANDLE_BYTES:  # the library reads exactly HANDLE_BYTES
             raise DeviceMemoryError(f"a CUDA IPC handle is {HANDLE_BYTES} bytes, not {len(handle)}")
         try:
@@ -183,7 +184,7 @@ class CudaDeviceMemory:
             raise DeviceMemoryError(_OPEN_REASONS.get(exc.name, f"CUDA refuses it ({exc.name})"), exc.name) from None
         mapping = Mapping(address, base + size - address, base, ordinal, device)
         try:  # opened, not yet read: a mapping the exporter's memory does not back is found in another process
-            extent = self.checker.check(handle, device)
+            extent = self.checker.check(handle, device, nbytes)
             if extent != mapping.size:
                 raise DeviceMemoryError(f"it maps {mapping.size} bytes here and {extent} in another process")
         except BaseException:

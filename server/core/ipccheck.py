@@ -1,18 +1,20 @@
 """A CUDA IPC handle is read in a process of its own before the server maps it.
 
 A handle's 64 bytes come from the client and the driver trusts them: on an H200 a live handle with one byte changed
-still opens, mapping an address or a range the exporter's memory does not back (bench/results/cuda-ipc-probe-h200.md;
+still opens, mapping an address or a range the exporter's memory does not back (found by
 tests/core/test_cuda_shm_hostile_gpu.py). The first read there faults, and a fault poisons the whole CUDA context:
 every request of every client on that device would fail until the server restarts. Nothing inside the process can
 find out safely whether a mapping is whole, so the question goes to a sacrificial one: ``HandleChecker`` keeps a
 child process (``python -m voxserve.server.core.ipccheck``, plain driver calls through ctypes: no torch, quick to
-start) that opens the handle, reads every byte from the mapped address to the end of its range, and says how many
-there were; a handle that does not open, or whose range does not read, is refused, and if the read faulted the child
+start) that opens the handle, reads every byte the server may access through it (the region's byte_size from the
+mapped address) and says how large the mapped range is; a handle that does not open, or whose bytes do not read, is
+refused, and if the read faulted the child
 exits (its context is gone) and the next check starts a new one. The server then opens the handle itself and maps
 the very pages the child read: the exporter's memory stays allocated while any process maps it.
 
 The child costs one more CUDA context on each device it checks a handle for (hundreds of MB of device memory) and a
-registration the time to read the allocation once (a device-to-device copy: milliseconds per GB).
+registration the time to read its region once (a device-to-device copy: milliseconds per GB), no more than a
+request reading the region costs.
 """
 
 from __future__ import annotations
@@ -46,15 +48,16 @@ class HandleChecker:
         self._lock = threading.Lock()
         self.started = 0  # children started, ever
 
-    def check(self, handle: bytes, device: int) -> int:
+    def check(self, handle: bytes, device: int, nbytes: int | None = None) -> int:
         """The bytes from the address ``handle`` maps on ``device`` to the end of its range, once another process
-        has read them all; DeviceMemoryError (a sentence for the client, CUDA's name) if it does not open or does
-        not read; ServingError UNAVAILABLE when the server cannot check it (its checking process does not start,
-        or answers garbage). Blocking: call it off the event loop."""
+        has read the first ``nbytes`` of them (what the server may access through it: a region's byte_size; None:
+        all); DeviceMemoryError (a sentence for the client, CUDA's name) if it does not open or does not read;
+        ServingError UNAVAILABLE when the server cannot check it (its checking process does not start, or answers
+        garbage). Blocking: call it off the event loop."""
         if len(handle) != HANDLE_BYTES:
             raise DeviceMemoryError(f"a CUDA IPC handle is {HANDLE_BYTES} bytes, not {len(handle)}")
         with self._lock:
-            answer = self._ask({"handle": handle.hex(), "device": device})
+            answer = self._ask({"handle": handle.hex(), "device": device, "nbytes": nbytes})
         if "extent" in answer:
             return int(answer["extent"])
         reason = str(answer.get("reason", "it could not be checked"))
@@ -201,7 +204,7 @@ class _Driver:
         self._check(self.lib.cuCtxSetCurrent(context), "cuCtxSetCurrent")
         return scratch
 
-    def check(self, handle: bytes, device: int) -> dict:
+    def check(self, handle: bytes, device: int, nbytes: int | None) -> dict:
         scratch = self._on(device)
         address = ctypes.c_uint64()
         # CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS, as the server opens it
@@ -213,9 +216,10 @@ class _Driver:
             self._check(self.lib.cuMemGetAddressRange_v2(ctypes.byref(base), ctypes.byref(size), address.value),
                         "cuMemGetAddressRange")
             extent = base.value + size.value - address.value
+            end = extent if nbytes is None else min(max(0, nbytes), extent)
             done = 0
-            while done < extent:  # every byte the server could read through this mapping
-                n = min(CHUNK_BYTES, extent - done)
+            while done < end:  # every byte the server may read or write through this mapping
+                n = min(CHUNK_BYTES, end - done)
                 self._check(self.lib.cuMemcpyDtoD_v2(scratch, address.value + done, n), "cuMemcpyDtoD")
                 done += n
             # A device-to-device copy returns before it is done (no host-side synchronization): its fault is
@@ -235,7 +239,8 @@ class _Failed(Exception):
 
 
 def _serve() -> int:
-    """Requests on stdin, one JSON line each ({"handle": hex, "device": n}); one answer line each on stdout:
+    """Requests on stdin, one JSON line each ({"handle": hex, "device": n, "nbytes": n or null}); one answer line each
+    on stdout:
     {"extent": bytes} or {"reason", "cuda_error"[, "exit"]}. Exits after a failed read (its context is poisoned)."""
     try:
         driver = _Driver()
@@ -246,7 +251,9 @@ def _serve() -> int:
     for line in sys.stdin:
         request = json.loads(line)
         try:
-            answer = driver.check(bytes.fromhex(request["handle"]), int(request["device"]))
+            nbytes = request.get("nbytes")
+            answer = driver.check(bytes.fromhex(request["handle"]), int(request["device"]),
+                                  None if nbytes is None else int(nbytes))
         except _Failed as failed:  # the context itself failed: say so and go
             answer = {"reason": f"{failed.call} failed", "cuda_error": failed.name, "exit": True}
         print(json.dumps(answer), flush=True)

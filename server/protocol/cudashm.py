@@ -140,7 +140,7 @@ class CudaSharedMemoryRegistry:
                                 f"(--max-cuda-shm-regions)")
             self._pending.add(name)
         try:
-            mapping = await self._open(name, bytes(raw_handle), device_id)
+            mapping = await self._open(name, bytes(raw_handle), device_id, byte_size)
             try:
                 if mapping.address % ALLOCATION_ALIGNMENT:
                     raise invalid(f"region {name!r}: raw_handle maps an address {mapping.address - mapping.base} "
@@ -190,7 +190,7 @@ class CudaSharedMemoryRegistry:
             return False
         return True
 
-    async def _open(self, name: str, handle: bytes, device_id: int) -> Mapping:
+    async def _open(self, name: str, handle: bytes, device_id: int, nbytes: int) -> Mapping:
         """The handle opened off the event loop; a registration cancelled meanwhile closes what the open returns."""
         loop = asyncio.get_running_loop()
         # A thread of the registry's own: opens wait on the handle's check, one at a time (ipccheck.py), and a
@@ -199,7 +199,7 @@ class CudaSharedMemoryRegistry:
             if self._opener is None:
                 self._opener = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="cuda-shm-open")
             opener = self._opener
-        opening = loop.run_in_executor(opener, self.devices.open, handle, device_id)
+        opening = loop.run_in_executor(opener, self.devices.open, handle, device_id, nbytes)
         try:
             return await asyncio.shield(opening)
         except DeviceMemoryError as exc:
@@ -299,7 +299,7 @@ class CudaSharedMemoryRegistry:
         """Open a region registered by another replica (under the region's ``opening`` lock: one open per region and
         process)."""
         try:
-            mapping = self.devices.open(region.handle, region.device_id)
+            mapping = self.devices.open(region.handle, region.device_id, region.byte_size)
         except DeviceMemoryError as exc:
             raise invalid(f"{what}: CUDA shared-memory region {region.name!r} does not open in this server process "
                           f"any more: {exc.reason}; register it again") from None

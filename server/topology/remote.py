@@ -281,7 +281,7 @@ class _EngineDevices:
     def device_count(self) -> int:
         return self.count
 
-    def open(self, handle: bytes, device: int) -> Mapping:
+    def open(self, handle: bytes, device: int, nbytes: int | None = None) -> Mapping:
         raise DeviceMemoryError("a front end opens no CUDA memory: its engines do")
 
     def close(self, mapping: Mapping) -> None:

@@ -547,9 +547,9 @@ def test_unregister_while_sixteen_requests_read_the_region(gpu_server, healthy, 
 
 
 
-def test_every_handle_is_read_whole_by_another_process_before_the_server_maps_it(gpu_server, healthy, hostile, client):
+def test_every_handle_is_read_by_another_process_before_the_server_maps_it(gpu_server, healthy, hostile, client):
     """The server's guard against handles the exporter's memory does not back (server/core/ipccheck.py): a child
-    process opens the handle and reads its whole range first; a live handle's range is its allocation."""
+    process opens the handle and reads the region's bytes first; a live handle's range is its allocation."""
     checker = gpu_server.server.cuda_shm.devices.checker
     x = _x()
     memory = hostile.alloc(x.nbytes, x.tobytes())

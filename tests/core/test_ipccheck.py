@@ -20,8 +20,11 @@ STANDIN = r"""
 import json, sys, time
 print(json.dumps({"ready": True}), flush=True)
 for line in sys.stdin:
-    handle = bytes.fromhex(json.loads(line)["handle"])
-    if handle[0] == 1:
+    request = json.loads(line)
+    handle = bytes.fromhex(request["handle"])
+    if handle[0] == 7:  # says what it was asked to read
+        print(json.dumps({"extent": request["nbytes"] if request["nbytes"] is not None else -1}), flush=True)
+    elif handle[0] == 1:
         print(json.dumps({"extent": 4096 * handle[1]}), flush=True)
     elif handle[0] == 2:
         sys.exit(1)  # the read faulted and took the process with it
@@ -170,7 +173,18 @@ def test_the_child_reports_a_range_read_only_once_the_copies_are_done():
     fake = _AsyncFaultDriver()
     driver = object.__new__(ipccheck._Driver)
     driver.lib, driver._contexts = fake, {0: (ctypes.c_void_p(), 1 << 30)}
-    answer = driver.check(_handle(1), 0)
+    answer = driver.check(_handle(1), 0, None)  # the whole range: 1.5 chunks
     assert fake.calls.count("cuMemcpyDtoD_v2") == 2
     assert answer.get("exit") is True and answer["cuda_error"] == "CUDA_ERROR_ILLEGAL_ADDRESS", answer
     assert "extent" not in answer
+    fake.calls.clear()
+    driver.check(_handle(1), 0, ipccheck.CHUNK_BYTES // 4)  # only the region's bytes
+    assert fake.calls.count("cuMemcpyDtoD_v2") == 1
+
+
+def test_the_child_is_told_how_many_bytes_the_server_may_access(checker):
+    """It reads a region's byte_size from the mapped address, not the whole allocation: a registration costs the
+    device no more than one request reading the region (a register/unregister loop on a large allocation would
+    otherwise read all of it each time)."""
+    assert checker.check(_handle(7), 0, 12345) == 12345
+    assert checker.check(_handle(7), 0) == -1  # None: all of it

@@ -367,10 +367,10 @@ def test_a_registration_cancelled_while_its_handle_opens_leaves_nothing_open():
     started, proceed = threading.Event(), threading.Event()
     real_open = fake.open
 
-    def slow_open(handle, device):
+    def slow_open(handle, device, nbytes=None):
         started.set()
         proceed.wait(10)
-        return real_open(handle, device)
+        return real_open(handle, device, nbytes)
 
     fake.open = slow_open  # type: ignore[method-assign]
 
@@ -398,10 +398,10 @@ def test_registrations_waiting_for_their_handles_leave_the_event_loops_threads_t
     gate, started = threading.Event(), threading.Event()
     real_open = fake.open
 
-    def slow_open(handle, device):
+    def slow_open(handle, device, nbytes=None):
         started.set()
         gate.wait(30)
-        return real_open(handle, device)
+        return real_open(handle, device, nbytes)
 
     fake.open = slow_open  # type: ignore[method-assign]
     handle = fake.export(64)
@@ -464,9 +464,9 @@ def test_a_replicas_first_use_of_a_region_opens_it_outside_the_lock_and_off_the_
     locked_while_opening = []
     opening = fake.open
 
-    def open_and_look(handle, device):
+    def open_and_look(handle, device, nbytes=None):
         locked_while_opening.append(b._lock.locked())
-        return opening(handle, device)
+        return opening(handle, device, nbytes)
 
     fake.open = open_and_look
     b.lease("r", 0, 4, "input").release()
@@ -775,3 +775,23 @@ def test_cuda_inputs_take_nothing_from_the_budget_of_shared_memory_copies():
             client.unregister_cuda_shared_memory()
     finally:
         srv.stop()
+
+
+def test_the_device_layer_is_told_the_bytes_a_region_may_access(tmp_path):
+    """Registration and a replica's first use open the handle for the region's byte_size (the device layer checks
+    that many bytes before the server may read them: server/core/ipccheck.py)."""
+    fake, a = _registry(shared_dir=str(tmp_path))
+    _, b = _registry(shared_dir=str(tmp_path))
+    b.devices = fake
+    asked = []
+    opening = fake.open
+
+    def recording_open(handle, device, nbytes=None):
+        asked.append(nbytes)
+        return opening(handle, device, nbytes)
+
+    fake.open = recording_open  # type: ignore[method-assign]
+    asyncio.run(a.register("r", fake.export(4096), 0, 1000))
+    b.lease("r", 0, 8, "input").release()  # opened in the other replica on first use
+    assert asked == [1000, 1000]
+    asyncio.run(a.unregister(""))

@@ -349,10 +349,10 @@ def test_a_registration_cancelled_through_a_front_end_is_cancelled_in_the_engine
     gate, called = threading.Event(), threading.Event()
     opening = fake.open
 
-    def slow_open(handle, device):
+    def slow_open(handle, device, nbytes=None):
         called.set()
         gate.wait(30)
-        return opening(handle, device)
+        return opening(handle, device, nbytes)
 
     fake.open = slow_open
 

@@ -81,7 +81,7 @@ class FakeDeviceMemory:
     def device_count(self) -> int:
         return self.devices
 
-    def open(self, handle: bytes, device: int) -> Mapping:
+    def open(self, handle: bytes, device: int, nbytes: int | None = None) -> Mapping:
         self.open_threads.append(threading.current_thread().name)
         if not 0 <= device < self.devices:
             raise DeviceMemoryError("the device is not usable by this server", "cudaErrorInvalidDevice")
