@@ -71,6 +71,7 @@ class CudaRegion:
     in_use: int = 0  # leases not yet released
     unregistered: bool = False  # the name is gone; the mapping closes when in_use reaches 0
     opening: threading.Lock = field(default_factory=threading.Lock, repr=False)  # held while it opens here
+    unusable: str = ""  # why it did not open here (a replica's first use): refused at once from then on
 
 
 class Lease(leases.Lease):
@@ -297,18 +298,23 @@ class CudaSharedMemoryRegistry:
 
     def _open_here(self, region: CudaRegion, what: str) -> Mapping:
         """Open a region registered by another replica (under the region's ``opening`` lock: one open per region and
-        process)."""
+        process). A handle that does not open (or maps other memory now) is remembered: later requests are refused
+        at once, without opening and checking it again, until the region is registered again."""
+        if region.unusable:
+            raise invalid(f"{what}: {region.unusable}")
         try:
             mapping = self.devices.open(region.handle, region.device_id, region.byte_size)
         except DeviceMemoryError as exc:
-            raise invalid(f"{what}: CUDA shared-memory region {region.name!r} does not open in this server process "
-                          f"any more: {exc.reason}; register it again") from None
+            region.unusable = (f"CUDA shared-memory region {region.name!r} does not open in this server process any "
+                               f"more: {exc.reason}; register it again")
+            raise invalid(f"{what}: {region.unusable}") from None
         # Checked at registration, in another process: the memory changed.
         if mapping.address % ALLOCATION_ALIGNMENT or region.byte_size > mapping.size:
             self._close(region.name, mapping)
-            raise invalid(f"{what}: CUDA shared-memory region {region.name!r} now maps {mapping.size} bytes at "
-                          f"{mapping.address - mapping.base} bytes into an allocation, not the {region.byte_size} "
-                          f"bytes at its start it was registered with; register it again")
+            region.unusable = (f"CUDA shared-memory region {region.name!r} now maps {mapping.size} bytes at "
+                               f"{mapping.address - mapping.base} bytes into an allocation, not the "
+                               f"{region.byte_size} bytes at its start it was registered with; register it again")
+            raise invalid(f"{what}: {region.unusable}")
         return mapping
 
     def _locked(self):

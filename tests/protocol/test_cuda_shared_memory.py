@@ -795,3 +795,24 @@ def test_the_device_layer_is_told_the_bytes_a_region_may_access(tmp_path):
     b.lease("r", 0, 8, "input").release()  # opened in the other replica on first use
     assert asked == [1000, 1000]
     asyncio.run(a.unregister(""))
+
+
+def test_a_replica_does_not_open_a_region_again_after_it_failed_to(tmp_path):
+    """A region that does not open in a replica (its exporter freed it, or its check fails there) is refused at once
+    from then on, without opening and checking its handle on every request; registered again, it is tried again."""
+    fake, a = _registry(shared_dir=str(tmp_path))
+    _, b = _registry(shared_dir=str(tmp_path))
+    b.devices = fake
+    handle = fake.export(256)
+    asyncio.run(a.register("r", handle, 0, 256))
+    fake.free(handle)  # the fake refuses a freed handle's new opens
+    attempts = len(fake.open_threads)  # every open asked of the device layer, refused or not
+    for what in ("input 'input'", "output 'output'", "input 'input'"):
+        code, message = _status(b.lease, "r", 0, 8, what)
+        assert code == Status.INVALID_ARGUMENT and message.startswith(f"{what}: ") and "does not open" in message
+    assert len(fake.open_threads) == attempts + 1  # tried once
+    asyncio.run(a.unregister("r"))
+    again = fake.export(256)
+    asyncio.run(a.register("r", again, 0, 256))
+    b.lease("r", 0, 8, "input").release()  # a new registration: opened
+    asyncio.run(a.unregister(""))
