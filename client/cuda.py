@@ -176,7 +176,8 @@ def describe(array: Any) -> tuple[int, tuple[int, ...], str]:
     shape = tuple(int(n) for n in interface["shape"])
     typestr = interface["typestr"]
     if typestr not in _TYPESTR:
-        raise ValueError(f"array of type {typestr!r}: the model takes float32 ('<f4') or float16 ('<f2')")
+        raise ValueError(f"array of type {typestr!r}: the model takes float32 ('<f4') or float16 ('<f2'), or a torch "
+                         f"bfloat16 tensor")
     strides = interface.get("strides")
     if strides is not None and tuple(strides) != _c_strides(shape, ITEMSIZE[_TYPESTR[typestr]]):
         raise ValueError(f"the array is not C-contiguous (strides {tuple(strides)})")
