@@ -55,6 +55,7 @@ from .shm import _NAME, SharedMemoryRegistry, sync_all
 
 log = logging.getLogger(__name__)
 KIND = "cuda"  # a record's "kind" (system regions' records have none)
+FOREIGN = "foreign"  # _read_record's answer for a record of a system region
 
 
 @dataclass(eq=False)  # identity: two registrations are never the same region
@@ -112,6 +113,7 @@ class CudaSharedMemoryRegistry:
         self.system = system
         self._shared = shared_dir
         self._regions: dict[str, CudaRegion] = {}
+        self._seen: dict[str, tuple[int, int, int]] = {}  # shared records' identities (inode, mtime, size) when read
         self._pending: set[str] = set()  # names whose handle is being opened
         self._draining: list[CudaRegion] = []  # unregistered, still leased
         self._lock = threading.Lock()
@@ -427,13 +429,16 @@ class CudaSharedMemoryRegistry:
             json.dump({"kind": KIND, "handle": base64.b64encode(region.handle).decode(),
                        "device_id": region.device_id, "byte_size": region.byte_size, "token": region.token}, f)
 
-    def _read_record(self, name: str) -> tuple[bytes, int, int, str] | None:
-        """A CUDA record's (handle, device_id, byte_size, token); None when there is none (or a system region's)."""
+    def _read_record(self, name: str) -> tuple[bytes, int, int, str] | str | None:
+        """A CUDA record's (handle, device_id, byte_size, token); FOREIGN for a system region's; None when there is
+        none (or it cannot be read whole now)."""
         try:
             with open(self._record_path(name)) as f:
                 data = json.load(f)
-            if not isinstance(data, dict) or data.get("kind") != KIND:
+            if not isinstance(data, dict):
                 return None
+            if data.get("kind") != KIND:
+                return FOREIGN
             handle = base64.b64decode(data["handle"], validate=True)
             fields = int(data["device_id"]), int(data["byte_size"]), str(data["token"])
         except (OSError, ValueError, KeyError, TypeError):
@@ -447,7 +452,20 @@ class CudaSharedMemoryRegistry:
         region = self._regions.get(name)
         if self._shared is None:
             return region
-        record = self._read_record(name)
+        # A record is written once, at its creation: a file whose identity is the one last read here says nothing
+        # new (one stat instead of a read and a parse on every request; as shm.py does).
+        try:
+            info = os.stat(self._record_path(name))
+            identity: tuple[int, int, int] | None = (info.st_ino, info.st_mtime_ns, info.st_size)
+        except FileNotFoundError:
+            identity = None
+        if identity is not None and self._seen.get(name) == identity:
+            return region
+        self._seen.pop(name, None)
+        got = self._read_record(name) if identity is not None else None
+        if got is not None and identity is not None:  # read whole: a CUDA region's record, or another kind's
+            self._seen[name] = identity
+        record = got if isinstance(got, tuple) else None
         if region is not None and (record is None or record[3] != region.token):
             dropped = self._forget(name)  # unregistered (and maybe registered again) through another replica
             if dropped is not None and dropped.mapping is not None:

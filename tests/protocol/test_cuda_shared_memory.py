@@ -816,3 +816,29 @@ def test_a_replica_does_not_open_a_region_again_after_it_failed_to(tmp_path):
     asyncio.run(a.register("r", again, 0, 256))
     b.lease("r", 0, 8, "input").release()  # a new registration: opened
     asyncio.run(a.unregister(""))
+
+
+def test_a_replica_reads_a_shared_record_once_until_it_changes(tmp_path, monkeypatch):
+    """Names are looked up on every request (holds, read, store): a record whose file is as last read is not read
+    and parsed again, a CUDA region's or a system region's alike; one unregistered and registered again is."""
+    fake, a = _registry(shared_dir=str(tmp_path))
+    _, b = _registry(shared_dir=str(tmp_path))
+    b.devices = fake
+    system = SharedMemoryRegistry(shared_dir=str(tmp_path))
+    reads = []
+    read_record = b._read_record
+    monkeypatch.setattr(b, "_read_record", lambda name: reads.append(name) or read_record(name))
+    asyncio.run(a.register("r", fake.export(64), 0, 64))
+    with SharedMemoryBuffer(f"vox_rec_{uuid.uuid4().hex[:8]}", 64) as segment:
+        system.register("sys", segment.key, 0, 64)
+        for _ in range(5):
+            assert b.holds("r") and not b.holds("sys") and not b.holds("none")
+        assert sorted(reads) == ["r", "sys"]  # (a name with no record costs a stat, no read)
+        token = b.status("r")[0].token
+        asyncio.run(a.unregister("r"))
+        assert not b.holds("r")
+        asyncio.run(a.register("r", fake.export(32), 0, 32))
+        (again,) = b.status("r")
+        assert again.token != token and again.byte_size == 32
+        system.unregister("")
+    asyncio.run(a.unregister(""))
