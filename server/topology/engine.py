@@ -318,8 +318,8 @@ class Engine:
                                              int(operation["device_id"]), int(operation["byte_size"]))
             elif op == "unregister":
                 await self.cuda_shm.unregister(name)
-            elif op == "forget":  # unregistered by another engine: drop this one's mapping, if any
-                self.cuda_shm.status("")
+            elif op == "forget":  # unregistered by another engine: its record is gone, this one's mapping goes too
+                self.cuda_shm.holds(name)
             elif op == "write":
                 await self.cuda_shm.store(name, int(operation["offset"]), data, str(operation["what"]))
             else:

@@ -138,6 +138,9 @@ class RemoteRunner:
             raise self.lost_error()
         return live
 
+    def _least_busy(self) -> EngineLink:
+        return min(self._live(), key=lambda lk: len(lk.pending))
+
     def engine_for(self, device_id: int) -> EngineLink:
         """The engine that executes on CUDA device ``device_id`` (it maps the regions there), else the first live
         one: always the same, so that a region's registration, reads and writes go to one engine (another would
@@ -149,15 +152,15 @@ class RemoteRunner:
     async def run(self, arr: np.ndarray | DeviceArray | RegionTensor, datatype: str,
                   timeout_s: float | None = None) -> BatchResult:
         """Infer one request's (N, Cin, D, H, W) wire-typed array in an engine: from the arena, or where it lies in
-        a client's CUDA region (a RegionTensor: the engine on its device reads it there)."""
+        a client's region (a RegionTensor: a CUDA region's goes to the engine on its device, a system segment's to
+        the least busy engine, which reads it there)."""
         if isinstance(arr, RegionTensor):
-            link = self.engine_for(arr.device_id) if arr.kind == "cuda" else min(self._live(),
-                                                                                 key=lambda lk: len(lk.pending))
+            link = self.engine_for(arr.device_id) if arr.kind == "cuda" else self._least_busy()
             return await self._send(link, ipc.INFER_REGION, datatype, arr.offset, arr.nbytes, arr.shape, timeout_s,
                                     arr, ipc.region_trailer(arr.kind, arr.region))
         if not isinstance(arr, np.ndarray):
             raise ServingError(Status.INTERNAL, f"a front end cannot send a {type(arr).__name__} to its engines")
-        link = min(self._live(), key=lambda lk: len(lk.pending))
+        link = self._least_busy()
         if arr.nbytes <= self.arena.largest or self.arena.offset_of(arr) is not None:
             return await self._one(link, arr, datatype, timeout_s)
         # Larger than an arena block: in pieces of whole samples (the engine batches and splits them anyway).
