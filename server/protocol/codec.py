@@ -57,7 +57,7 @@ class InferInput:
     datatype: str
     typed_response: bool  # the client sent typed contents: answer the same way
     output_shm: SharedMemoryRef | None = None  # write the output there instead of into the response
-    path: str = "wire"  # how its bytes came: wire, system_shm (a private copy), cuda_shm (where they lie)
+    path: str = "wire"  # how its bytes came: wire, system_shm (in place or a private copy), cuda_shm (where they lie)
     lease: Lease | None = None  # cuda_shm: what keeps the client's memory mapped (release() when no longer read)
 
     @property
