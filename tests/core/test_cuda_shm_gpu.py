@@ -16,7 +16,6 @@ from voxserve.datatypes import from_wire, to_wire
 from voxserve.kernels import reference_float64, reference_weights
 from voxserve.server.core.model import relative_error
 
-from ..conftest import running_server
 from ..cuda_exporter import Exporter, NoExporter
 
 pytestmark = pytest.mark.gpu
@@ -40,17 +39,6 @@ def _unregistering(client: Client):
         yield
     finally:
         client.unregister_cuda_shared_memory()
-
-
-@pytest.fixture(scope="module")
-def gpu_server():
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA device")
-    with running_server(device="cuda") as srv:
-        assert srv.wait_ready(), srv.server.load_error
-        if srv.server.cuda_shm is None:
-            pytest.fail("a server on CUDA with the kernel library offers CUDA shared memory")
-        yield srv
 
 
 @pytest.mark.parametrize("datatype", ["FP32", "FP16", "BF16"])

@@ -28,7 +28,7 @@ from voxserve.client import Client, InferenceError
 from voxserve.kernels import reference_float64, reference_weights
 from voxserve.server.core.model import relative_error
 
-from ..conftest import ServerThread, running_server
+from ..conftest import ServerThread
 from ..cuda_exporter import GRANULE, HANDLE_BYTES, Exporter, NoExporter, own_process_handle
 
 pytestmark = pytest.mark.gpu
@@ -43,17 +43,6 @@ SAMPLE = (1, 3, 16, 32, 32)
 
 
 # --- fixtures and checks --------------------------------------------------------------------------------------
-
-@pytest.fixture(scope="module")
-def gpu_server() -> Iterator[ServerThread]:
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA device")
-    with running_server(device="cuda") as srv:
-        assert srv.wait_ready(), srv.server.load_error
-        if srv.server.cuda_shm is None:
-            pytest.fail("a server on CUDA with the kernel library offers CUDA shared memory")
-        yield srv
-
 
 def _exporter() -> Exporter:
     try:
