@@ -14,14 +14,12 @@ import asyncio
 import datetime
 import os
 import shlex
-import shutil
-import subprocess
 import sys
-import tempfile
 from collections import Counter
 from pathlib import Path
 
 import numpy as np
+import pyspy  # bench/probes/pyspy.py, beside this script
 
 from voxserve.client import build_request
 from voxserve.testing.load import ServerProcess, closed_loop
@@ -46,15 +44,9 @@ def categorise(frames: list[str]) -> str:
 
 
 def profile(pid: int, seconds: float) -> Counter:
-    py_spy = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
-    with tempfile.NamedTemporaryFile(suffix=".txt") as out:
-        subprocess.run([py_spy, "record", "-p", str(pid), "-d", str(int(seconds)), "-r", "200", "-f", "raw",
-                        "-o", out.name, "--nonblocking"], check=True, capture_output=True)
-        shares: Counter = Counter()
-        for line in Path(out.name).read_text().splitlines():
-            stack, _, n = line.rpartition(" ")
-            if stack:
-                shares[categorise(stack.split(";"))] += int(n)
+    shares: Counter = Counter()
+    for frames, n in pyspy.record(pid, seconds):
+        shares[categorise(frames)] += n
     return shares
 
 
