@@ -60,6 +60,7 @@ class Execution(ctypes.Structure):
         ("events", ctypes.c_void_p * EVENTS), ("sizes", ctypes.c_longlong * 5), ("strides", ctypes.c_longlong * 5),
         ("dtype", ctypes.c_int), ("cout", ctypes.c_int), ("k", ctypes.c_int), ("variant", ctypes.c_int),
         ("precision", ctypes.c_int), ("device", ctypes.c_int), ("stage", ctypes.c_int), ("notify_fd", ctypes.c_int),
+        ("out_spans", ctypes.c_void_p), ("nout_spans", ctypes.c_longlong),
     ]
 
 

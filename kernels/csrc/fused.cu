@@ -1613,8 +1613,13 @@ struct VoxExecution {
   long long strides[5];
   int dtype, cout, k, variant, precision, device;
   int stage;               // 0: DMA each span (page-locked sources); 1: gather them into staging, then one DMA;
-                           // 2: staging already holds them (a multi-threaded copy by the caller), one DMA
+                           // 2: staging already holds them (a multi-threaded copy by the caller), one DMA;
+                           // 3: the spans lie in device memory (clients' CUDA regions): copied device to device
+                           //    into dev_in, or, with no spans, dev_in is the request's own memory, read in place
   int notify_fd;           // >= 0: written once the execution has finished (voxserve_notify)
+  const long long* out_spans;  // nout_spans (address, bytes) pairs cutting the first bytes of `out` in order: each
+  long long nout_spans;        // piece is copied to its address in device memory (a client's CUDA region) before
+                               // the result-back event; address 0: that piece has no such destination
 };
 
 namespace {
@@ -1732,6 +1737,10 @@ int voxserve_execute(VoxExecution* e) {
   cudaEvent_t* ev = reinterpret_cast<cudaEvent_t*>(e->events);
   char* dev_in = static_cast<char*>(e->dev_in);
   e->host_copy_ns = 0;
+  if (e->stage == 3 && e->nspans == 0 && e->padded_bytes != e->bytes) {  // padding would write a client's memory
+    snprintf(g_error, sizeof g_error, "voxserve_execute: an input read in place cannot be padded");
+    return 1;
+  }
   if (e->stage == 1) {
     const long long t0 = now_ns();
     char* dst = static_cast<char*>(e->staging);
@@ -1744,6 +1753,14 @@ int voxserve_execute(VoxExecution* e) {
   VOX_CUDA("cudaEventRecord", cudaEventRecord(ev[0], copy));
   if (e->stage == 0) {
     if (voxserve_copy_spans(dev_in, e->spans, static_cast<int>(e->nspans), copy, e->device) != 0) return 1;
+  } else if (e->stage == 3) {
+    char* dst = dev_in;
+    for (long long i = 0; i < e->nspans; ++i) {
+      VOX_CUDA("cudaMemcpyAsync", cudaMemcpyAsync(dst, reinterpret_cast<const void*>(e->spans[2 * i]),
+                                                  static_cast<size_t>(e->spans[2 * i + 1]), cudaMemcpyDeviceToDevice,
+                                                  copy));
+      dst += e->spans[2 * i + 1];
+    }
   } else {
     VOX_CUDA("cudaMemcpyAsync", cudaMemcpyAsync(dev_in, e->staging, static_cast<size_t>(e->bytes),
                                                 cudaMemcpyHostToDevice, copy));
@@ -1762,8 +1779,19 @@ int voxserve_execute(VoxExecution* e) {
     return 1;
   }
   VOX_CUDA("cudaEventRecord", cudaEventRecord(ev[3], compute));
-  VOX_CUDA("cudaMemcpyAsync", cudaMemcpyAsync(e->host_out, e->out, static_cast<size_t>(e->out_bytes),
-                                              cudaMemcpyDeviceToHost, compute));
+  const char* out = reinterpret_cast<const char*>(e->out);
+  for (long long i = 0; i < e->nout_spans; ++i) {
+    const long long to = e->out_spans[2 * i], bytes = e->out_spans[2 * i + 1];
+    if (to != 0 && reinterpret_cast<const char*>(to) != out) {  // (the kernel may have written it there already)
+      VOX_CUDA("cudaMemcpyAsync", cudaMemcpyAsync(reinterpret_cast<void*>(to), out, static_cast<size_t>(bytes),
+                                                  cudaMemcpyDeviceToDevice, compute));
+    }
+    out += bytes;
+  }
+  if (e->out_bytes > 0) {
+    VOX_CUDA("cudaMemcpyAsync", cudaMemcpyAsync(e->host_out, e->out, static_cast<size_t>(e->out_bytes),
+                                                cudaMemcpyDeviceToHost, compute));
+  }
   VOX_CUDA("cudaEventRecord", cudaEventRecord(ev[4], compute));
   if (e->notify_fd >= 0) {
     VOX_CUDA("cudaLaunchHostFunc", cudaLaunchHostFunc(compute, write_event,

@@ -75,12 +75,18 @@ class DeviceArray:
     """A request's tensor where it lies in a client's registered CUDA memory: its address, shape, wire dtype and
     device, and what keeps the mapping open (``keep``: a lease, held as long as this array or a tensor made from
     it is alive, so that an execution still reading it outlives the request that brought it). Slicing the first
-    axis gives another view of the same memory, as numpy's does (a request run in pieces)."""
+    axis gives another view of the same memory, as numpy's does (a request run in pieces).
 
-    __slots__ = ("address", "device", "dtype", "keep", "shape")
+    ``result``: where the request's (N, Cout) FP32 output goes, when that is device memory on the same device too
+    (a DeviceArray of its own, with its own lease): the execution writes it there on the device, and sliced along
+    with this array, each piece of a request run in pieces writes its own rows."""
 
-    def __init__(self, address: int, shape: tuple[int, ...], dtype: np.dtype, device: int, keep: Any) -> None:
+    __slots__ = ("address", "device", "dtype", "keep", "result", "shape")
+
+    def __init__(self, address: int, shape: tuple[int, ...], dtype: np.dtype, device: int, keep: Any,
+                 result: DeviceArray | None = None) -> None:
         self.address, self.shape, self.dtype, self.device, self.keep = address, tuple(shape), dtype, device, keep
+        self.result = result
 
     @property
     def place(self) -> str:
@@ -98,7 +104,7 @@ class DeviceArray:
         row = self.nbytes // max(self.shape[0], 1)
         stop = max(start, stop)
         return DeviceArray(self.address + start * row, (stop - start, *self.shape[1:]), self.dtype, self.device,
-                           self.keep)
+                           self.keep, None if self.result is None else self.result[start:stop])
 
     @property
     def __cuda_array_interface__(self) -> dict:
@@ -121,6 +127,9 @@ class RegionTensor:
     dtype: np.dtype
     device_id: int  # (a system region's: -1, no device)
     kind: str = "cuda"  # or "system": a client's system shared-memory segment, which the engine DMAs in place
+    # a CUDA input's: the CUDA region and offset its (N, Cout) FP32 output goes to, written by the engine (as a
+    # DeviceArray's ``result``), or None
+    result: tuple[str, int] | None = None
 
     @property
     def nbytes(self) -> int:

@@ -225,13 +225,16 @@ class Model:
     def run_device_arrays(self, arrays: list, datatype: str) -> tuple[np.ndarray, ExecutionTimes]:
         """One execution of tensors where they lie in clients' CUDA memory (``devicemem.DeviceArray``s): the
         kernel reads a single request's tensor in place; several are first gathered on the device (one copy on
-        the device, none through the host). (N, Cout) float32 on the host."""
+        the device, none through the host). (N, Cout) float32 on the host; an array's ``result`` (device memory)
+        gets its rows on the device too. Synchronous, with torch's calls: the pipeline's native path
+        (CudaPipeline.submit) does the same without a thread waiting, wherever the fused op's library runs."""
         t0 = time.perf_counter_ns()
         parts = [torch.as_tensor(a, device=self.device) for a in arrays]  # no copy: each keeps its array (lease)
         if datatype == "BF16":  # its bits travel as uint16
             parts = [p.view(torch.bfloat16) for p in parts]
         x = parts[0] if len(parts) == 1 else torch.cat(parts)
-        y, times = self._forward_timed(x, t0, time.perf_counter_ns())
+        results = [(int(a.shape[0]), a.result) for a in arrays]
+        y, times = self._forward_timed(x, t0, time.perf_counter_ns(), results)
         return y.numpy(), times
 
     def run_tensor(self, x: torch.Tensor) -> tuple[torch.Tensor, ExecutionTimes]:
@@ -244,11 +247,18 @@ class Model:
         xd = x.to(self.device)
         return self._forward_timed(xd, t0, time.perf_counter_ns())
 
-    def _forward_timed(self, xd: torch.Tensor, t0: int, t1: int) -> tuple[torch.Tensor, ExecutionTimes]:
+    def _forward_timed(self, xd: torch.Tensor, t0: int, t1: int,
+                       results: list | None = None) -> tuple[torch.Tensor, ExecutionTimes]:
         """The fused op on ``xd`` (on this device since ``t1``, its input phase begun at ``t0``), the output back
-        on the CPU; each phase timed."""
+        on the CPU; each phase timed. ``results``: per request of the batch in order, its rows and the device memory
+        (a DeviceArray) they are copied to on the device, or None."""
         with torch.inference_mode():
             yd = kernels.fused_forward(xd, self.weight_on_device, self.bias_on_device, self.precision)
+            row = 0
+            for rows, result in results or ():
+                if result is not None:
+                    torch.as_tensor(result, device=self.device).copy_(yd[row : row + rows])
+                row += rows
         t2 = time.perf_counter_ns()
         y = yd.to("cpu")
         t3 = time.perf_counter_ns()

@@ -41,7 +41,7 @@ import time
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import NamedTuple, cast
 
 import numpy as np
 import torch
@@ -49,6 +49,8 @@ import torch
 from voxserve.kernels import cuda as fused_cuda
 from voxserve.kernels.graphs import GraphCache
 from voxserve.kernels.ops import TORCH_DTYPES
+
+from .devicemem import DeviceArray
 
 try:
     from numpy.lib.array_utils import byte_bounds
@@ -119,6 +121,10 @@ def _check_host_readable(a: np.ndarray) -> None:
     low, high = byte_bounds(a)
     if touches_dma_only(low, high - low):
         raise RuntimeError("an input in a client's segment (DMA-only) would be copied on the host: refused")
+
+
+def _overlaps(a: int, a_bytes: int, b: int, b_bytes: int) -> bool:
+    return a < b + b_bytes and b < a + a_bytes
 
 
 def pinned_buffer(nbytes: int) -> memoryview:
@@ -246,6 +252,8 @@ class CudaPipeline:
         self.completion_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
         self.staged_bytes = 0  # host bytes copied into staging, ever (the copy-count tests read it)
         self.direct_bytes = 0  # bytes sent to the GPU straight from pinned request buffers, ever
+        self.device_bytes = 0  # input bytes of tensors in clients' CUDA memory, ever (read on the device only)
+        self.device_output_bytes = 0  # output bytes written into clients' CUDA memory on the device, ever
         self._lock = threading.Lock()
 
     @staticmethod
@@ -342,6 +350,8 @@ class CudaPipeline:
         Blocks while all ``depth`` slots are in flight; with ``wait_for_slot=False`` returns None instead. With
         ``max_host_copy``, returns None (nothing enqueued) when the batch would copy more bytes than that on
         the host (page-locked sources copy none)."""
+        if arrays and isinstance(arrays[0], DeviceArray):
+            return self._submit_device(cast(list[DeviceArray], arrays), datatype, wait_for_slot, notify)
         if self.native is not None:
             return self._submit_native(arrays, datatype, wait_for_slot, notify, max_host_copy)
         batch = self._begin(arrays, wait_for_slot, max_host_copy)
@@ -409,34 +419,17 @@ class CudaPipeline:
                 ex.stage = 2
             else:
                 ex.stage = 1  # a memcpy per request, in the library call
-            dtype = TORCH_DTYPES[datatype]
-            key = (shape, datatype)
-            graph = slot.graphs.get(key)
-            if graph is not None:
-                slot.graphs.move_to_end(key)
-            elif padded_bytes <= self._graph_max_bytes:
-                if len(self._seen) >= MAX_SEEN_SHAPES:  # many one-off shapes: start counting afresh
-                    self._seen.clear()
-                self._seen[key] += 1
-                if self._seen[key] >= 2:  # a shape that recurs: capture it for this slot
-                    graph = self._capture(slot, key, shape, dtype)
+            graph = self._graph_for(slot, shape, datatype, padded_bytes)
             if graph is not None:
                 ex.graph_exec, ex.out = graph[0], graph[1].data_ptr()
             else:
-                floats = self.native.workspace_floats(shape)
-                if slot.workspace.numel() < floats:
-                    slot.workspace = torch.empty(_round_up(floats), dtype=torch.float32, device=self.device)
-                if slot.direct_out.numel() < shape[0] * cout:
-                    slot.direct_out = torch.empty(max(shape[0] * cout, 4096), dtype=torch.float32, device=self.device)
-                ex.graph_exec, ex.out, ex.workspace = None, slot.direct_out.data_ptr(), slot.workspace.data_ptr()
-                ex.sizes[:] = shape
-                ex.strides[:] = fused_cuda.contiguous_strides(shape)
-                ex.dtype = fused_cuda.dtype_code(dtype)
+                self._direct(slot, ex, shape, datatype)
             ex.spans, ex.nspans, ex.bytes, ex.padded_bytes = spans.ctypes.data, len(spans), nbytes, padded_bytes
             ex.staging, ex.dev_in = slot.host.data_ptr(), slot.dev.data_ptr()
             ex.host_out, ex.out_bytes = slot.out.data_ptr(), samples * cout * 4
             ex.copy_stream, ex.compute_stream = self.copy_stream.cuda_stream, self.compute_stream.cuda_stream
             ex.notify_fd = self.completion_fd if notify else -1
+            ex.nout_spans = 0
             fused_cuda.execute(ex)
             if ex.stage == 1:
                 host_copy_ns = ex.host_copy_ns
@@ -445,6 +438,97 @@ class CudaPipeline:
             self._free.put(slot)
             raise
         return Pending(slot, samples, cout, host_copy_ns, slot.events, arrays if locked else None)
+
+    def _graph_for(self, slot: _Slot, shape: tuple[int, ...], datatype: str, padded_bytes: int) -> tuple | None:
+        """The slot's graph for ``shape`` (captured now if the shape recurs and is small enough), or None."""
+        key = (shape, datatype)
+        graph = slot.graphs.get(key)
+        if graph is not None:
+            slot.graphs.move_to_end(key)
+        elif padded_bytes <= self._graph_max_bytes:
+            if len(self._seen) >= MAX_SEEN_SHAPES:  # many one-off shapes: start counting afresh
+                self._seen.clear()
+            self._seen[key] += 1
+            if self._seen[key] >= 2:  # a shape that recurs: capture it for this slot
+                graph = self._capture(slot, key, shape, TORCH_DTYPES[datatype])
+        return graph
+
+    def _direct(self, slot: _Slot, ex: fused_cuda.Execution, shape: tuple[int, ...], datatype: str,
+                out: int | None = None) -> None:
+        """Fill ``ex`` for a direct launch of the kernel on ``shape`` (no graph), its output at ``out`` (default: the
+        slot's own)."""
+        assert self.native is not None
+        floats = self.native.workspace_floats(shape)
+        if slot.workspace.numel() < floats:
+            slot.workspace = torch.empty(_round_up(floats), dtype=torch.float32, device=self.device)
+        if out is None:
+            if slot.direct_out.numel() < shape[0] * self.cout:
+                slot.direct_out = torch.empty(max(shape[0] * self.cout, 4096), dtype=torch.float32, device=self.device)
+            out = slot.direct_out.data_ptr()
+        ex.graph_exec, ex.out, ex.workspace = None, out, slot.workspace.data_ptr()
+        ex.sizes[:] = shape
+        ex.strides[:] = fused_cuda.contiguous_strides(shape)
+        ex.dtype = fused_cuda.dtype_code(TORCH_DTYPES[datatype])
+
+    def _submit_device(self, arrays: list[DeviceArray], datatype: str, wait_for_slot: bool,
+                       notify: bool) -> Pending | None:
+        """``submit`` of tensors in clients' CUDA memory on this device (DeviceArrays), with one library call and
+        no host copy. A lone request too large for a graph is read in place by the kernel; otherwise the requests
+        are gathered device to device into the slot's input buffer (padded to their graph bucket, replayed as a
+        graph). A request whose ``result`` lies in device memory gets its output rows there, copied on the device
+        (or written by the kernel itself when it runs in place on one request: no copy at all); every output also
+        comes back to the host, N x Cout floats, for the response's checks."""
+        if self.native is None:
+            raise RuntimeError("tensors in CUDA memory are executed by the fused op's library (native path)")
+        samples = sum(int(a.shape[0]) for a in arrays)
+        nbytes = sum(a.nbytes for a in arrays)
+        limit = self._graph_max_bytes
+        padded = graph_bucket(samples, nbytes // samples, limit) if limit else samples
+        padded_bytes, shape = nbytes // samples * padded, (padded, *arrays[0].shape[1:])
+        in_place = len(arrays) == 1 and padded_bytes > limit  # (then padded == samples: no bucket holds it)
+        try:
+            slot = self._free.get(block=wait_for_slot)
+        except queue.Empty:
+            return None
+        cout = self.cout
+        try:
+            slot.reserve(0 if in_place else padded_bytes, padded * cout)
+            ex = slot.execution
+            ex.stage = 3
+            spans = np.array([(a.address, a.nbytes) for a in arrays], dtype=np.int64)
+            results = [a.result for a in arrays]
+            out_spans = np.array([(r.address if r is not None else 0, int(a.shape[0]) * cout * 4)
+                                  for a, r in zip(arrays, results, strict=True)], dtype=np.int64)
+            if in_place:
+                ex.nspans, ex.dev_in, ex.bytes, ex.padded_bytes = 0, arrays[0].address, nbytes, nbytes
+                result = results[0]
+                # The kernel writes the client's region itself, unless its output would overlap the input it reads.
+                into = (result.address if result is not None
+                        and not _overlaps(result.address, result.nbytes, arrays[0].address, nbytes) else None)
+                self._direct(slot, ex, shape, datatype, into)
+            else:
+                graph = self._graph_for(slot, shape, datatype, padded_bytes)
+                if graph is not None:
+                    ex.graph_exec, ex.out = graph[0], graph[1].data_ptr()
+                else:
+                    self._direct(slot, ex, shape, datatype)
+                ex.spans, ex.nspans, ex.bytes, ex.padded_bytes = spans.ctypes.data, len(spans), nbytes, padded_bytes
+                ex.dev_in = slot.dev.data_ptr()
+            ex.out_spans, ex.nout_spans = out_spans.ctypes.data, len(out_spans) if any(
+                r is not None for r in results) else 0
+            ex.staging, ex.host_out, ex.out_bytes = slot.host.data_ptr(), slot.out.data_ptr(), samples * cout * 4
+            ex.copy_stream, ex.compute_stream = self.copy_stream.cuda_stream, self.compute_stream.cuda_stream
+            ex.notify_fd = self.completion_fd if notify else -1
+            fused_cuda.execute(ex)
+            with self._lock:
+                self.device_bytes += nbytes
+                self.device_output_bytes += int(out_spans[:, 1][out_spans[:, 0] != 0].sum())
+                self.native_executions += 1
+        except BaseException:
+            self._free.put(slot)
+            raise
+        # the arrays (and their results) stay alive, and their mappings open, until the execution has finished
+        return Pending(slot, samples, cout, 0, slot.events, cast(list, arrays))
 
     def _capture(self, slot: _Slot, key: tuple, shape: tuple[int, ...], dtype: torch.dtype) -> tuple:
         """A graph of the op over ``slot``'s input buffer for ``shape``, kept in the slot under ``key``."""

@@ -149,6 +149,11 @@ class Runner:
         if not isinstance(arrays[0], np.ndarray):  # in a client's CUDA memory: on its device, read where it lies
             place = arrays[0].place
             worker = min((w for w in live if str(w.model.device) == place), key=lambda w: w.inflight, default=worker)
+            pipeline = worker.model.pipeline
+            if pipeline is not None and pipeline.native is not None and str(worker.model.device) == place:
+                # one library call each, no host copy, no thread waiting for the device (as host batches)
+                return self._joined(await self._execute_gpu(worker, cast(list[list[np.ndarray]], executions),
+                                                            datatype))
             loop = asyncio.get_running_loop()
             outputs = []
             for ex in executions:
@@ -170,6 +175,10 @@ class Runner:
                                                               datatype))
                 finally:
                     worker.inflight -= 1
+        return self._joined(outputs)
+
+    @staticmethod
+    def _joined(outputs: list[np.ndarray]) -> np.ndarray:
         return outputs[0] if len(outputs) == 1 else np.concatenate(outputs)
 
     async def _execute_gpu(self, worker: DeviceWorker, executions: list[list[np.ndarray]],

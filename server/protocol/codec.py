@@ -6,6 +6,7 @@ Input bytes are viewed, not copied: ``np.frombuffer`` over the request's bytes.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -59,6 +60,13 @@ class InferInput:
     output_shm: SharedMemoryRef | None = None  # write the output there instead of into the response
     path: str = "wire"  # how its bytes came: wire, system_shm (in place or a private copy), cuda_shm (where they lie)
     lease: Lease | None = None  # cuda_shm: what keeps the client's memory mapped (release() when no longer read)
+    output_lease: Lease | None = None  # the output's, when the execution writes it into a CUDA region (below)
+
+    @property
+    def output_on_device(self) -> bool:
+        """Whether the execution itself writes the output into the client's CUDA region (the input's ``result``):
+        nothing to store after it."""
+        return isinstance(self.array, (DeviceArray, RegionTensor)) and self.array.result is not None
 
     @property
     def samples(self) -> int:
@@ -203,7 +211,13 @@ def decode_request(request: pb.ModelInferRequest, spec: ModelSpec, shm=None,
         if shm.cuda is not None and shm.cuda.holds(input_shm.region):  # read where it lies: no copy
             array, lease = shm.cuda.read(input_shm.region, input_shm.offset, shape, WIRE_DTYPE[datatype],
                                          f"input '{INPUT_NAME}'")
-            return InferInput(array, datatype, False, output_shm, "cuda_shm", lease)
+            try:
+                array, output_lease = _output_on_device(array, output_shm, shm.cuda, spec.cout)
+            except BaseException:
+                if lease is not None:
+                    lease.release()
+                raise
+            return InferInput(array, datatype, False, output_shm, "cuda_shm", lease, output_lease)
         array = shm.read_tensor(input_shm.region, input_shm.offset, shape, WIRE_DTYPE[datatype],
                                 f"input '{INPUT_NAME}'")
         return InferInput(array, datatype, False, output_shm, "system_shm")
@@ -235,6 +249,28 @@ def decode_request(request: pb.ModelInferRequest, spec: ModelSpec, shm=None,
         raise invalid(f"input '{INPUT_NAME}' shape {list(shape)} needs {elements} values; contents.fp32_contents "
                       f"holds {len(values)}")
     return InferInput(np.asarray(values, dtype=np.float32).reshape(shape), datatype, True, output_shm)
+
+
+def _output_on_device(array, output: SharedMemoryRef | None, cuda, cout: int):
+    """The input, and the output's lease: where the input lies in CUDA memory and the output goes to a CUDA region on
+    the same device, the input with that span as its ``result``, whose output the execution writes there on the
+    device (a DeviceArray here, or, in a front end, a RegionTensor naming the output region for the engine). As it
+    came, and None, otherwise (the output is stored after the execution), and for an output offset that is not a
+    whole float (a copy from the host takes it, a kernel's store would not)."""
+    if (not isinstance(array, (DeviceArray, RegionTensor)) or output is None or output.offset % 4
+            or not cuda.holds(output.region)):
+        return array, None
+    target, lease = cuda.read(output.region, output.offset, (array.shape[0], cout), np.dtype("<f4"),
+                              f"output '{OUTPUT_NAME}'")
+    if isinstance(array, DeviceArray) and isinstance(target, DeviceArray) and target.device == array.device:
+        array.result = target
+        return array, lease
+    if lease is not None:
+        lease.release()
+    if (isinstance(array, RegionTensor) and isinstance(target, RegionTensor) and array.kind == target.kind == "cuda"
+            and target.device_id == array.device_id):
+        return dataclasses.replace(array, result=(target.region, target.offset)), None
+    return array, None
 
 
 async def store_output(ref: SharedMemoryRef, output: np.ndarray, shm) -> None:

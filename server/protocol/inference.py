@@ -339,7 +339,7 @@ class InferenceService:
                 # Too late for the client, which stops waiting before the server's deadline (see DEADLINE_SLACK_S):
                 # say so rather than send what nobody reads.
                 raise ServingError(Status.DEADLINE_EXCEEDED, "the request's deadline passed while it ran")
-            if decoded.output_shm is not None:
+            if decoded.output_shm is not None and not decoded.output_on_device:
                 await codec.store_output(decoded.output_shm, result.output, self.shm)
             response = codec.encode_response(request, spec, result.output, decoded)
             elapsed = time.perf_counter_ns() - arrived
@@ -371,6 +371,8 @@ class InferenceService:
                 # (a failure's traceback could keep the tensor, and its lease, alive until a collection). While an
                 # execution may (a request cancelled as it ran), the lease goes with the tensor.
                 decoded.lease.release()
+                if decoded.output_lease is not None:
+                    decoded.output_lease.release()
             if held:
                 self._release_when_freed(decoded.array if decoded is not None else None, held)
                 decoded = None  # the frame may outlive the call (a kept traceback): hold no copy

@@ -257,14 +257,15 @@ class Engine:
             task.add_done_callback(_ControlDone(outbox, pending, req_id, self.settings.model_name))
             return
         model_name = self.settings.model_name
-        lease = None
+        lease = out_lease = None
+        store = None
         try:
             datatype = INPUT_DATATYPES[dtype]
             count = math.prod(shape)
             if count * ITEMSIZE[datatype] != nbytes:
                 raise ServingError(Status.INTERNAL, f"malformed request record {kind, shape, nbytes}")
             array: np.ndarray | DeviceArray
-            region_kind, name = ipc.parse_region(trailer) if kind == ipc.INFER_REGION else ("", "")
+            region_kind, name, result = ipc.parse_region(trailer) if kind == ipc.INFER_REGION else ("", "", None)
             if region_kind == "system":  # a client's segment: read off the event loop (a first page-lock, a copy)
                 if self.shm is None:
                     raise ServingError(Status.UNIMPLEMENTED, "this engine does not read shared-memory segments")
@@ -278,6 +279,18 @@ class Engine:
                 tensor, lease = self.cuda_shm.read(name, offset, tuple(shape), WIRE_DTYPE[datatype],
                                                    "the request's input")
                 assert not isinstance(tensor, RegionTensor)  # this registry maps its regions: an address
+                if result is not None:  # its output goes into a CUDA region: written on the device, or stored here
+                    target, out_lease = self.cuda_shm.read(result[0], result[1], (shape[0], int(self.hello["cout"])),
+                                                           np.dtype("<f4"), "the request's output")
+                    if isinstance(tensor, DeviceArray) and isinstance(target, DeviceArray) \
+                            and target.device == tensor.device:
+                        tensor.result = target
+                    else:  # (host memory: a fake device layer's)
+                        if out_lease is not None:
+                            out_lease.release()
+                        out_lease = None
+                        store = _Store(self.cuda_shm, *result)
+                    del target
                 array = tensor
             elif kind == ipc.INFER and offset + nbytes <= len(arena):
                 array = arena[offset : offset + nbytes].view(WIRE_DTYPE[datatype]).reshape(shape)
@@ -287,12 +300,13 @@ class Engine:
             future = self.runner.enqueue(array, datatype, ipc.timeout_of(deadline))
             del array
         except Exception as exc:
-            if lease is not None:
-                lease.release()
+            for held in (lease, out_lease):
+                if held is not None:
+                    held.release()
             outbox.put(_error_reply(req_id, exc, model_name))
             return
         pending[req_id] = future
-        future.add_done_callback(_Reply(outbox, pending, req_id, model_name, lease))
+        future.add_done_callback(_Reply(outbox, pending, req_id, model_name, lease, out_lease, store))
 
     async def _segment_request(self, name: str, offset: int, shape: tuple[int, ...], datatype: str,
                                deadline: float) -> BatchResult:
@@ -345,21 +359,38 @@ class _ControlDone:
             self.outbox.put(_error_reply(self.req_id, ServingError(Status.CANCELLED, "cancelled"), self.model_name))
 
 
+class _Store:
+    """Writes a request's output into the CUDA region its record named, after the execution (where the execution
+    could not write it there itself)."""
+
+    __slots__ = ("name", "offset", "registry")
+
+    def __init__(self, registry: CudaSharedMemoryRegistry, name: str, offset: int) -> None:
+        self.registry, self.name, self.offset = registry, name, offset
+
+    def __call__(self, output: bytes) -> None:
+        self.registry.write(self.name, self.offset, output, "the request's output")
+
+
 class _Reply:
     """The done-callback of one request's future: its reply record."""
 
-    __slots__ = ("lease", "model_name", "outbox", "pending", "req_id")
+    __slots__ = ("leases", "model_name", "outbox", "pending", "req_id", "store")
 
-    def __init__(self, outbox: ipc.Outbox, pending: dict, req_id: int, model_name: str, lease: Lease | None) -> None:
+    def __init__(self, outbox: ipc.Outbox, pending: dict, req_id: int, model_name: str, lease: Lease | None,
+                 out_lease: Lease | None = None, store: _Store | None = None) -> None:
         self.outbox, self.pending, self.req_id, self.model_name = outbox, pending, req_id, model_name
-        self.lease = lease  # a CUDA region's input: released once no execution reads it
+        # a CUDA region's input (and output written on the device): released once no execution uses them
+        self.leases = tuple(held for held in (lease, out_lease) if held is not None)
+        self.store = store
 
     def __call__(self, future: asyncio.Future) -> None:
         self.pending.pop(self.req_id, None)
-        if self.lease is not None and not future.cancelled():
-            # Answered: its execution is over. Cancelled, it may still run: the lease goes with its tensor.
-            self.lease.release()
-        self.lease = None
+        if not future.cancelled():
+            # Answered: its execution is over. Cancelled, it may still run: the leases go with its tensor.
+            for held in self.leases:
+                held.release()
+        self.leases = ()
         if future.cancelled():
             self.outbox.put(_error_reply(self.req_id, ServingError(Status.CANCELLED, "cancelled"),
                                          self.model_name))
@@ -370,6 +401,12 @@ class _Reply:
             return
         result: BatchResult = future.result()
         out = np.ascontiguousarray(result.output, dtype=np.float32).tobytes()  # N x Cout: sent with the header
+        if self.store is not None:
+            try:
+                self.store(out)
+            except Exception as exc:
+                self.outbox.put(_error_reply(self.req_id, exc, self.model_name))
+                return
         self.outbox.put(ipc.REPLY.pack(ipc.OK, 0, len(out), self.req_id, result.queue_ns, result.batch_samples) + out)
 
 

@@ -186,18 +186,38 @@ def requests(buffer: bytes, max_trailer: int) -> tuple[list[tuple[tuple, bytes]]
 
 
 REGION_KINDS = {"cuda": b"c", "system": b"s"}  # an INFER_REGION trailer's first byte; the region's name follows
+# ... or this byte: a CUDA region's input whose output the engine writes into a CUDA region itself; then the input
+# name's length and the output's offset (RESULT), the input region's name, the output region's name.
+WITH_RESULT = b"o"
+RESULT = struct.Struct("<HQ")
 
 
-def region_trailer(kind: str, name: str) -> bytes:
-    return REGION_KINDS[kind] + name.encode()
+def region_trailer(kind: str, name: str, result: tuple[str, int] | None = None) -> bytes:
+    """An INFER_REGION record's trailer: the input's region (``kind``, ``name``) and, for a CUDA input, the CUDA region
+    and offset its output goes to (``result``), if the engine is to write it there."""
+    if result is None:
+        return REGION_KINDS[kind] + name.encode()
+    if kind != "cuda":
+        raise ValueError("only a CUDA region's input has its output written by the engine")
+    raw = name.encode()
+    return WITH_RESULT + RESULT.pack(len(raw), result[1]) + raw + result[0].encode()
 
 
-def parse_region(trailer: bytes) -> tuple[str, str]:
-    """(kind, region name) of an INFER_REGION trailer; ValueError for one that is not."""
+def parse_region(trailer: bytes) -> tuple[str, str, tuple[str, int] | None]:
+    """(kind, region name, result: (output region, offset) or None) of an INFER_REGION trailer; ValueError for one
+    that is not."""
+    if trailer[:1] == WITH_RESULT:
+        if len(trailer) < 1 + RESULT.size:
+            raise ValueError("an INFER_REGION record's output region is cut short")
+        length, offset = RESULT.unpack_from(trailer, 1)
+        names = trailer[1 + RESULT.size:]
+        if length > len(names):
+            raise ValueError("an INFER_REGION record's input region name is cut short")
+        return "cuda", names[:length].decode(), (names[length:].decode(), offset)
     kind = next((k for k, v in REGION_KINDS.items() if trailer[:1] == v), None)
     if kind is None:
         raise ValueError(f"an INFER_REGION record names no region kind ({trailer[:1]!r})")
-    return kind, trailer[1:].decode()
+    return kind, trailer[1:].decode(), None
 
 
 def control_payload(operation: dict, data: bytes = b"") -> bytes:

@@ -157,7 +157,7 @@ class RemoteRunner:
         if isinstance(arr, RegionTensor):
             link = self.engine_for(arr.device_id) if arr.kind == "cuda" else self._least_busy()
             return await self._send(link, ipc.INFER_REGION, datatype, arr.offset, arr.nbytes, arr.shape, timeout_s,
-                                    arr, ipc.region_trailer(arr.kind, arr.region))
+                                    arr, ipc.region_trailer(arr.kind, arr.region, arr.result))
         if not isinstance(arr, np.ndarray):
             raise ServingError(Status.INTERNAL, f"a front end cannot send a {type(arr).__name__} to its engines")
         link = self._least_busy()

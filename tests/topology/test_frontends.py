@@ -29,6 +29,7 @@ from voxserve.server.core.errors import ServingError, Status
 from voxserve.server.core.model import relative_error
 from voxserve.server.protocol.shm import SharedMemoryRegistry
 from voxserve.server.settings import Settings, add_arguments, from_namespace, validate
+from voxserve.server.topology import ipc
 from voxserve.server.topology.engine import Engine
 from voxserve.server.topology.ipc import Arena
 from voxserve.server.topology.remote import EngineCudaSharedMemory, RemoteRunner
@@ -547,12 +548,15 @@ def fake_layer_front_end(tmp_path, page_locker=None):
 
 def test_cuda_shared_memory_over_grpc_through_a_front_end(tmp_path):
     """The protocol's calls through a front end: tritonclient's (our client's) register, status, inference with the
-    input and the output in the client's memory (written there by the engine), counted as cuda_shm bytes; FP16 too;
-    unregister."""
+    input and the output in the client's memory (written there by the engine as part of the request: the front end
+    sends no second operation to store it), counted as cuda_shm bytes; FP16 too; unregister."""
     w, b = reference_weights()
     rng = np.random.default_rng()
     with fake_layer_front_end(tmp_path) as (front, engine, fake), Client(front.url) as client:
         assert "cuda_shared_memory" in client.server_metadata().extensions
+        assert engine.cuda_shm is not None
+        stores, store = [], engine.cuda_shm.store
+        engine.cuda_shm.store = lambda *args, **kwargs: (stores.append(args[0]), store(*args, **kwargs))[1]
         counted = 0
         for datatype in ("FP32", "FP16"):
             x = rng.standard_normal((2, 3, 6, 5, 7), dtype=np.float32)
@@ -568,6 +572,7 @@ def test_cuda_shared_memory_over_grpc_through_a_front_end(tmp_path):
                                               output_offset=len(wire)) is None
             y = np.frombuffer(fake.contents(handle)[len(wire):], "<f4").reshape(2, 16).copy()
             assert relative_error(torch.from_numpy(y), reference_float64(exact, w, b)) <= 1e-5
+            assert stores == []  # no CONTROL "write" after the request: the engine wrote it with the request
             np.testing.assert_array_equal(client.infer_shared_memory(x.shape, "io", datatype=datatype), y)
             counted += 2 * len(wire)
             with pytest.raises(InferenceError) as err:
@@ -891,3 +896,16 @@ def test_system_shared_memory_through_two_front_ends_is_dmad_by_the_engine_on_a_
             for c in clients:
                 c.close()
     assert "page-locking shared-memory region" not in srv.log  # no refusal: every input was read in place
+
+
+def test_region_trailers_name_the_input_and_the_output_the_engine_writes():
+    assert ipc.parse_region(ipc.region_trailer("system", "seg")) == ("system", "seg", None)
+    assert ipc.parse_region(ipc.region_trailer("cuda", "in")) == ("cuda", "in", None)
+    trailer = ipc.region_trailer("cuda", "in put", ("out", 4096))
+    assert ipc.parse_region(trailer) == ("cuda", "in put", ("out", 4096))
+    assert ipc.parse_region(ipc.region_trailer("cuda", "same", ("same", 0))) == ("cuda", "same", ("same", 0))
+    with pytest.raises(ValueError):
+        ipc.region_trailer("system", "seg", ("out", 0))
+    for cut in (trailer[:3], trailer[:1 + ipc.RESULT.size] + b"i", b"x" + trailer[1:], b""):
+        with pytest.raises(ValueError):
+            ipc.parse_region(cut)
