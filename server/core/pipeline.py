@@ -172,11 +172,13 @@ class _Slot:
         self.direct_out = torch.empty(0, dtype=torch.float32, device=device)
         self.workspace = torch.empty(0, dtype=torch.float32, device=device)
 
-    def reserve(self, nbytes: int, out_floats: int) -> None:
-        if self.host.numel() < nbytes:
-            size = _round_up(nbytes)
-            self.host = torch.empty(size, dtype=torch.uint8, pin_memory=True)
-            self.dev = torch.empty(size, dtype=torch.uint8, device=self.device)
+    def reserve(self, nbytes: int, out_floats: int, staging: bool = True) -> None:
+        """Room for an execution of ``nbytes`` of input (``staging``: in page-locked staging too, not only on the
+        device) and ``out_floats`` of output."""
+        if staging and self.host.numel() < nbytes:
+            self.host = torch.empty(_round_up(nbytes), dtype=torch.uint8, pin_memory=True)
+        if self.dev.numel() < nbytes:
+            self.dev = torch.empty(_round_up(nbytes), dtype=torch.uint8, device=self.device)
             if self.native is not None:
                 self.drop_graphs()  # they read the input buffer just replaced
         if self.out.numel() < out_floats:
@@ -492,7 +494,7 @@ class CudaPipeline:
             return None
         cout = self.cout
         try:
-            slot.reserve(0 if in_place else padded_bytes, padded * cout)
+            slot.reserve(0 if in_place else padded_bytes, padded * cout, staging=False)  # gathered on the device
             ex = slot.execution
             ex.stage = 3
             spans = np.array([(a.address, a.nbytes) for a in arrays], dtype=np.int64)
