@@ -356,12 +356,13 @@ def render(args, out: dict[str, list[LevelResult]], device: str, seconds: float,
     shm_best = best("shm", voxserve_targets)
     target("system shared memory, full batch", shm_best.rps if shm_best else None, 1600, ">= 1,600 req/s",
            f"p99 {shm_best.percentile(99):.1f} ms" if shm_best else "", unit="req/s")
-    cuda_best, cuda_1 = _best(out["cuda_shm"], "voxserve"), _best(out["cuda_shm_batch1"], "voxserve")
+    cuda_best = best("cuda_shm", voxserve_targets)
     target("CUDA shared memory, full batch", cuda_best.rps if cuda_best else None, 5000, ">= 5,000 req/s",
-           f"p99 {cuda_best.percentile(99):.1f} ms" if cuda_best else "", unit="req/s")
-    wire_1 = b1.get("voxserve")
-    target("batch 1 at c=64: CUDA shared memory vs the wire, in process", ratio(cuda_1, wire_1), 3.0, ">= 3x",
-           f"{cuda_1.rps:.0f} vs {wire_1.rps:.0f} req/s" if cuda_1 and wire_1 else "")
+           f"{cuda_best.target}, p99 {cuda_best.percentile(99):.1f} ms" if cuda_best else "", unit="req/s")
+    for server, where in (("voxserve", "in process"), *([(fe, "through front ends")] if args.frontends else [])):
+        cuda_1, wire_1 = _best(out["cuda_shm_batch1"], server), b1.get(server)
+        target(f"batch 1 at c=64: CUDA shared memory vs the wire, {where}", ratio(cuda_1, wire_1), 3.0, ">= 3x",
+               f"{cuda_1.rps:.0f} vs {wire_1.rps:.0f} req/s" if cuda_1 and wire_1 else "")
     for key in out:
         rest = key.startswith("rest")
         ours = best(key, tuple(f"{t}, REST binary" for t in voxserve_targets) if rest else voxserve_targets)

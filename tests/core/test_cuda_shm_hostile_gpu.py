@@ -494,16 +494,17 @@ def test_unregister_while_sixteen_requests_read_the_region(gpu_server, healthy, 
     go, executing = threading.Event(), threading.Event()
 
     def held(real):
-        def run_device_arrays(arrays, datatype):
+        def submit_device(*args):  # (on the submit thread: the event loop goes on)
             executing.set()
             if not go.wait(120):
                 raise RuntimeError("the test never let the execution go")
-            return real(arrays, datatype)
-        return run_device_arrays
+            return real(*args)
+        return submit_device
 
     monkeypatch.setattr(registry, "lease", lease)
-    for worker in runner.workers:
-        monkeypatch.setattr(worker.model, "run_device_arrays", held(worker.model.run_device_arrays))
+    for worker in runner.workers:  # the execution of tensors in CUDA memory (the pipeline's native path)
+        pipeline = worker.model.gpu_pipeline
+        monkeypatch.setattr(pipeline, "_submit_device", held(pipeline._submit_device))
     pool = ThreadPoolExecutor(16)
     try:
         answers = [pool.submit(client.infer_shared_memory, SAMPLE, "busy", input_offset=i * row) for i in range(16)]

@@ -47,7 +47,7 @@ def test_the_report_says_which_targets_the_rows_meet(service_bench):
     cuda_table = text.split("## Full batch in CUDA shared memory", 1)[1].split("##", 1)[0]
     assert "| Triton | 4 | 300.0 |" in cuda_table and "| voxserve | 4 | 5200.0 |" in cuda_table
     targets = _targets(text)
-    assert targets["CUDA shared memory, full batch"] == ("5,200 req/s (p99 3.0 ms)", "met")  # the best level
+    assert targets["CUDA shared memory, full batch"] == ("5,200 req/s (voxserve, p99 3.0 ms)", "met")  # best level
     assert targets["batch 1 at c=64: CUDA shared memory vs the wire, in process"] == (
         "2.50x (25000 vs 10000 req/s)", "missed")
     assert targets["vs Triton, full batch in CUDA shared memory (the client's GPU memory)"] == ("17.33x", "met")
@@ -57,3 +57,21 @@ def test_the_report_says_which_targets_the_rows_meet(service_bench):
     assert targets["full-batch FP32 vs raw gRPC ceiling"] == ("95% (95.0 vs 100.0 req/s)", "met")
     assert targets["FP16 vs FP32 samples/s"] == ("-", "not measured")
     assert targets["vs MLServer, batch 1 at c=64"] == ("-", "not measured")
+
+
+def test_the_shared_memory_targets_take_the_front_ends_rows_too(service_bench):
+    """With --frontends, the best of the one-process and the front-end rows meets a shared-memory goal, and the batch-1
+    ratio of CUDA shared memory to the wire is stated for each topology."""
+    args = argparse.Namespace(batch=128, duration=3.0, frontends=12)
+    fe = "voxserve --frontends 12"
+    out = {key: [] for key in ("full", "fp16", "shm", "cuda_shm", "batch1", "cuda_shm_batch1", "rest_full",
+                               "rest_batch1")}
+    out["cuda_shm"] += [_row("voxserve", 1000, 128, 16), _row(fe, 2900, 128, 16)]
+    out["batch1"] += [_row("voxserve", 1600, 1, 64), _row(fe, 10000, 1, 64)]
+    out["cuda_shm_batch1"] += [_row("voxserve", 1500, 1, 64), _row(fe, 8000, 1, 64)]
+    targets = _targets(service_bench.render(args, out, "test GPU", 10.0, []))
+    assert targets["CUDA shared memory, full batch"] == (f"2,900 req/s ({fe}, p99 3.0 ms)", "missed")
+    assert targets["batch 1 at c=64: CUDA shared memory vs the wire, in process"] == (
+        "0.94x (1500 vs 1600 req/s)", "missed")
+    assert targets["batch 1 at c=64: CUDA shared memory vs the wire, through front ends"] == (
+        "0.80x (8000 vs 10000 req/s)", "missed")
