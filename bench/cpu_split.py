@@ -112,6 +112,7 @@ def profile(pids: dict[int, str], url: str, bench_args: list[str], lead_s: float
             if not path.exists():
                 continue
             rows.append(f"|  | {label}: " + "; ".join(top_frames(path)) + " | | |")
+            rows.append(f"|  | {label}, whose time: " + "; ".join(split_by_owner(path)) + " | | |")
             if keep_dir:
                 tag = re.sub(r"[^A-Za-z0-9]+", "_", name).strip("_")
                 shutil.copy(path, Path(keep_dir) / f"{tag}.{label}.txt")
@@ -126,6 +127,34 @@ def top_frames(path: Path, n: int = 12) -> list[str]:
             own[stack.split(";")[-1]] += int(count)
             total += int(count)
     return [f"{c / total:.0%} {frame}" for frame, c in own.most_common(n)] if total else []
+
+
+# Whose a sample is, by its frames (outermost first): the first rule that matches any frame decides.
+OWNERS = (
+    ("metrics (prometheus_client)", re.compile(r"prometheus_client/")),
+    ("the engine link (records, replies, arena)", re.compile(r"\(server/topology/(remote|ipc|engine)\.py")),
+    ("the model and the batcher", re.compile(r"\((server/core|kernels)/|torch/")),
+    ("gRPC's read of the message (context.read)", re.compile(r"InferenceService\.ModelInfer \(server/protocol/"
+                                                              r"inference\.py:128\)$")),
+    ("voxserve's request path (decode, checks, encode, statistics)",
+     re.compile(r"\(server/protocol/(inference|codec|wire|shm|cudashm|admission|security)\.py")),
+    ("gRPC and asyncio machinery (C and Cython callbacks, the poller, the event loop)", re.compile(r".")),
+)
+
+
+def split_by_owner(path: Path) -> list[str]:
+    """The shares of a raw py-spy profile by OWNERS (innermost matching rule over the stack's frames wins for the
+    specific owners; a stack none of them claims is gRPC's and asyncio's)."""
+    shares, total = Counter(), 0
+    for line in path.read_text().splitlines():
+        stack, _, count = line.rpartition(" ")
+        if not stack or not count.isdigit():
+            continue
+        frames = stack.split(";")
+        owner = next(name for name, rule in OWNERS if any(rule.search(f) for f in frames))
+        shares[owner] += int(count)
+        total += int(count)
+    return [f"{c / total:.0%} {owner}" for owner, c in shares.most_common()] if total else []
 
 
 def measure(name: str, url: str, pids: dict[int, str], bench_args: list[str], args: argparse.Namespace) -> list[str]:
