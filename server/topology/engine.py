@@ -404,8 +404,8 @@ class _Reply:
         if self.store is not None:
             try:
                 self.store(out)
-            except Exception as exc:
-                self.outbox.put(_error_reply(self.req_id, exc, self.model_name))
+            except Exception as failure:
+                self.outbox.put(_error_reply(self.req_id, failure, self.model_name))
                 return
         self.outbox.put(ipc.REPLY.pack(ipc.OK, 0, len(out), self.req_id, result.queue_ns, result.batch_samples) + out)
 
