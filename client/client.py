@@ -96,6 +96,55 @@ def build_shm_request(shape: tuple[int, ...], model: str, datatype: str, input_r
     return request
 
 
+# The shared-memory extensions' calls, shared by Client and AsyncClient: (method, request) to send, and the answer
+# read back.
+
+def _system_register(name: str, key: str, byte_size: int, offset: int) -> tuple[str, Any]:
+    return "SystemSharedMemoryRegister", pb.SystemSharedMemoryRegisterRequest(name=name, key=key, offset=offset,
+                                                                              byte_size=byte_size)
+
+
+def _system_unregister(name: str) -> tuple[str, Any]:
+    return "SystemSharedMemoryUnregister", pb.SystemSharedMemoryUnregisterRequest(name=name)
+
+
+def _system_status(name: str) -> tuple[str, Any]:
+    return "SystemSharedMemoryStatus", pb.SystemSharedMemoryStatusRequest(name=name)
+
+
+def _system_regions(response: pb.SystemSharedMemoryStatusResponse) -> dict[str, tuple[str, int, int]]:
+    return {n: (r.key, r.offset, r.byte_size) for n, r in response.regions.items()}
+
+
+def _cuda_register(name: str, raw_handle: bytes, device_id: int, byte_size: int) -> tuple[str, Any]:
+    return "CudaSharedMemoryRegister", pb.CudaSharedMemoryRegisterRequest(name=name, raw_handle=raw_handle,
+                                                                          device_id=device_id, byte_size=byte_size)
+
+
+def _cuda_unregister(name: str) -> tuple[str, Any]:
+    return "CudaSharedMemoryUnregister", pb.CudaSharedMemoryUnregisterRequest(name=name)
+
+
+def _cuda_status(name: str) -> tuple[str, Any]:
+    return "CudaSharedMemoryStatus", pb.CudaSharedMemoryStatusRequest(name=name)
+
+
+def _cuda_regions(response: pb.CudaSharedMemoryStatusResponse) -> dict[str, tuple[int, int]]:
+    return {n: (r.device_id, r.byte_size) for n, r in response.regions.items()}
+
+
+def _cuda_infer(input: CudaArray, output: CudaArray | None, synchronize_device: bool) -> dict[str, Any]:
+    """``infer_shared_memory``'s arguments for ``infer_cuda`` (after the device's work, if asked to wait for it)."""
+    if output is not None and output.datatype != "FP32":
+        raise ValueError(f"the output is FP32; the output array is {output.datatype}")
+    if synchronize_device:
+        synchronize(input.device_id)
+    return {"shape": input.shape, "input_region": input.region, "datatype": input.datatype,
+            "input_offset": input.offset, "output_region": None if output is None else output.region,
+            "output_offset": 0 if output is None else output.offset,
+            "output_byte_size": None if output is None else output.byte_size}
+
+
 class Client:
     """Blocking client over one gRPC channel (plaintext, or TLS/mTLS/token per ``credentials``)."""
 
@@ -132,25 +181,22 @@ class Client:
         return None if output_region is not None else parse_response(response)
 
     def register_system_shared_memory(self, name: str, key: str, byte_size: int, offset: int = 0) -> None:
-        self._call("SystemSharedMemoryRegister",
-                   pb.SystemSharedMemoryRegisterRequest(name=name, key=key, offset=offset, byte_size=byte_size))
+        self._call(*_system_register(name, key, byte_size, offset))
 
     def unregister_system_shared_memory(self, name: str = "") -> None:
         """Unregister one region, or all of them when name is empty."""
-        self._call("SystemSharedMemoryUnregister", pb.SystemSharedMemoryUnregisterRequest(name=name))
+        self._call(*_system_unregister(name))
 
     def system_shared_memory_status(self, name: str = "") -> dict[str, tuple[str, int, int]]:
         """{region name: (key, offset, byte_size)}."""
-        regions = self._call("SystemSharedMemoryStatus", pb.SystemSharedMemoryStatusRequest(name=name)).regions
-        return {n: (r.key, r.offset, r.byte_size) for n, r in regions.items()}
+        return _system_regions(self._call(*_system_status(name)))
 
     def register_cuda_shared_memory(self, name: str, raw_handle: bytes, device_id: int, byte_size: int) -> None:
         """Register ``byte_size`` bytes of device memory by its CUDA IPC handle (the 64 bytes of
         ``cudaIpcGetMemHandle``, exported by this process, never the server's) on GPU ``device_id``; reference it
         from inputs and outputs by name as a system region (``infer_shared_memory``): the server reads the input
         where it lies and writes the output there."""
-        self._call("CudaSharedMemoryRegister", pb.CudaSharedMemoryRegisterRequest(
-            name=name, raw_handle=raw_handle, device_id=device_id, byte_size=byte_size))
+        self._call(*_cuda_register(name, raw_handle, device_id, byte_size))
 
     def register_cuda_region(self, name: str, region: CudaRegion) -> None:
         """Register a device allocation of this process (``CudaBuffer.region``, ``cuda.region_of``) as ``name``."""
@@ -172,25 +218,16 @@ class Client:
         ``output`` (an FP32 array of N x Cout in a registered region; then None is returned), or comes back in the
         response. ``synchronize_device``: first wait for this process's work on the device, so that what was
         written into the input (on any stream) is there when the server reads it."""
-        if output is not None and output.datatype != "FP32":
-            raise ValueError(f"the output is FP32; the output array is {output.datatype}")
-        if synchronize_device:
-            synchronize(input.device_id)
-        return self.infer_shared_memory(
-            input.shape, input.region, datatype=input.datatype, input_offset=input.offset,
-            output_region=None if output is None else output.region,
-            output_offset=0 if output is None else output.offset,
-            output_byte_size=None if output is None else output.byte_size)
+        return self.infer_shared_memory(**_cuda_infer(input, output, synchronize_device))
 
     def unregister_cuda_shared_memory(self, name: str = "") -> None:
         """Unregister one CUDA region, or all of them when name is empty (the server unmaps each once the
         requests reading it are done)."""
-        self._call("CudaSharedMemoryUnregister", pb.CudaSharedMemoryUnregisterRequest(name=name))
+        self._call(*_cuda_unregister(name))
 
     def cuda_shared_memory_status(self, name: str = "") -> dict[str, tuple[int, int]]:
         """{region name: (device_id, byte_size)}."""
-        regions = self._call("CudaSharedMemoryStatus", pb.CudaSharedMemoryStatusRequest(name=name)).regions
-        return {n: (r.device_id, r.byte_size) for n, r in regions.items()}
+        return _cuda_regions(self._call(*_cuda_status(name)))
 
     def is_live(self) -> bool:
         return bool(self._call("ServerLive", pb.ServerLiveRequest()).live)
@@ -242,6 +279,7 @@ class AsyncClient:
         self._metadata = self.credentials.metadata()
         self._channel = self.credentials.channel(url, _channel_options(max_message_bytes), aio=True)
         self._stub = pb_grpc.GRPCInferenceServiceStub(self._channel)
+        self._width: int | None = None
 
     async def _call(self, method: str, request: Any) -> Any:
         try:
@@ -277,6 +315,54 @@ class AsyncClient:
             raise InferenceError.from_rpc(exc) from None
         finally:
             call.cancel()
+
+    async def infer_shared_memory(self, shape: tuple[int, ...], input_region: str, *, datatype: str = "FP32",
+                                  input_offset: int = 0, output_region: str | None = None, output_offset: int = 0,
+                                  output_byte_size: int | None = None) -> np.ndarray | None:
+        """Client.infer_shared_memory, awaited."""
+        if output_region is not None and output_byte_size is None:
+            output_byte_size = shape[0] * await self._output_width() * 4
+        response = await self._call("ModelInfer", build_shm_request(
+            shape, self.model, datatype, input_region, input_offset, output_region, output_offset, output_byte_size))
+        return None if output_region is not None else parse_response(response)
+
+    async def register_system_shared_memory(self, name: str, key: str, byte_size: int, offset: int = 0) -> None:
+        await self._call(*_system_register(name, key, byte_size, offset))
+
+    async def unregister_system_shared_memory(self, name: str = "") -> None:
+        await self._call(*_system_unregister(name))
+
+    async def system_shared_memory_status(self, name: str = "") -> dict[str, tuple[str, int, int]]:
+        return _system_regions(await self._call(*_system_status(name)))
+
+    async def register_cuda_shared_memory(self, name: str, raw_handle: bytes, device_id: int,
+                                          byte_size: int) -> None:
+        await self._call(*_cuda_register(name, raw_handle, device_id, byte_size))
+
+    async def register_cuda_region(self, name: str, region: CudaRegion) -> None:
+        await self.register_cuda_shared_memory(name, region.raw_handle, region.device_id, region.byte_size)
+
+    async def register_cuda_array(self, name: str, array: Any) -> CudaArray:
+        """Client.register_cuda_array, awaited."""
+        region, where = locate(array, name)
+        await self.register_cuda_region(name, region)
+        return where
+
+    async def infer_cuda(self, input: CudaArray, output: CudaArray | None = None, *,
+                         synchronize_device: bool = True) -> np.ndarray | None:
+        """Client.infer_cuda, awaited (the device's synchronisation, when asked for, blocks this loop meanwhile)."""
+        return await self.infer_shared_memory(**_cuda_infer(input, output, synchronize_device))
+
+    async def unregister_cuda_shared_memory(self, name: str = "") -> None:
+        await self._call(*_cuda_unregister(name))
+
+    async def cuda_shared_memory_status(self, name: str = "") -> dict[str, tuple[int, int]]:
+        return _cuda_regions(await self._call(*_cuda_status(name)))
+
+    async def _output_width(self) -> int:
+        if self._width is None:
+            self._width = int((await self.model_metadata()).outputs[0].shape[-1])
+        return self._width
 
     async def is_live(self) -> bool:
         return bool((await self._call("ServerLive", pb.ServerLiveRequest())).live)

@@ -4,6 +4,7 @@ device layer; what the client says without cuda-bindings or without a device; ha
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import sys
 
@@ -11,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from voxserve.client import Client, CudaBuffer, CudaError, CudaUnavailable, cuda
+from voxserve.client import AsyncClient, Client, CudaBuffer, CudaError, CudaUnavailable, cuda
 from voxserve.kernels import reference_float64, reference_weights
 from voxserve.server.core.model import relative_error
 from voxserve.testing.fake_devicemem import FakeDeviceMemory
@@ -146,3 +147,29 @@ def test_without_a_device_the_reason_is_cudas(fake_layer_server, monkeypatch):
         CudaBuffer(16, device_id=3)
     with pytest.raises(ValueError, match="byte_size 0 must be > 0"):
         CudaBuffer(0)
+
+
+def test_the_asyncio_client_has_the_same_cuda_calls(fake_cuda, fake_layer_server, rng):
+    """AsyncClient: register an array's allocation, status, infer with the output in the region or in the response,
+    unregister; the same answers as float64."""
+    srv, _ = fake_layer_server
+    w, b = reference_weights()
+    x = torch.randn((2, 3, 4, 5, 6), generator=rng).numpy()
+
+    async def main() -> np.ndarray:
+        async with AsyncClient(srv.url) as c:
+            with CudaBuffer(x.nbytes + 2 * 16 * 4) as buf:
+                buf.write(x)
+                ref_x = await c.register_cuda_array("async", DeviceArray(buf.ptr, x.shape))
+                assert await c.cuda_shared_memory_status() == {"async": (0, buf.byte_size)}
+                _, ref_y = cuda.locate(DeviceArray(buf.ptr + x.nbytes, (2, 16)), "async")
+                assert await c.infer_cuda(ref_x, ref_y) is None
+                y = buf.read(np.float32, (2, 16), offset=x.nbytes)
+                np.testing.assert_array_equal(await c.infer_cuda(ref_x), y)
+                np.testing.assert_array_equal(await c.infer_shared_memory(x.shape, "async"), y)
+                await c.unregister_cuda_shared_memory("async")
+                assert await c.cuda_shared_memory_status() == {}
+                return y
+
+    y = asyncio.run(main())
+    assert relative_error(torch.from_numpy(y), reference_float64(torch.from_numpy(x), w, b)) <= 1e-5

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import uuid
@@ -11,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from voxserve.client import Client, InferenceError, SharedMemoryBuffer, build_shm_request
+from voxserve.client import AsyncClient, Client, InferenceError, SharedMemoryBuffer, build_shm_request
 from voxserve.datatypes import to_wire
 from voxserve.kernels import reference_float64, reference_weights
 from voxserve.proto import pb, pb_grpc
@@ -269,3 +270,27 @@ def test_long_names_and_keys_are_cut_in_error_messages(client):
             code, message = _code(fn)
             assert code == want and fragment in message, (code, message[:300])
             assert len(message) < 300 and "a" * 64 + "... (16000 characters)" in message, message[:300]
+
+
+def test_the_asyncio_client_has_the_same_system_shared_memory_calls(server, rng):
+    x = torch.randn(SHAPE, generator=rng).numpy()
+    out_bytes = SHAPE[0] * 16 * 4
+
+    async def main() -> tuple[np.ndarray, np.ndarray]:
+        async with AsyncClient(server.url) as c:
+            with SharedMemoryBuffer(_name("vox_async"), x.nbytes + out_bytes) as segment:
+                segment.write(x)
+                await c.register_system_shared_memory("async_io", segment.key, segment.size)
+                assert await c.system_shared_memory_status("async_io") == {
+                    "async_io": (segment.key, 0, segment.size)}
+                answered = await c.infer_shared_memory(SHAPE, "async_io")
+                assert await c.infer_shared_memory(SHAPE, "async_io", output_region="async_io",
+                                                   output_offset=x.nbytes) is None
+                written = segment.read(np.float32, (SHAPE[0], 16), offset=x.nbytes)
+                await c.unregister_system_shared_memory("async_io")
+                assert await c.system_shared_memory_status() == {}
+                return answered, written
+
+    answered, written = asyncio.run(main())
+    np.testing.assert_array_equal(answered, written)
+    assert relative_error(torch.from_numpy(written.copy()), reference_float64(torch.from_numpy(x), W, B)) <= 1e-5
