@@ -421,11 +421,7 @@ class CudaPipeline:
                 ex.stage = 2
             else:
                 ex.stage = 1  # a memcpy per request, in the library call
-            graph = self._graph_for(slot, shape, datatype, padded_bytes)
-            if graph is not None:
-                ex.graph_exec, ex.out = graph[0], graph[1].data_ptr()
-            else:
-                self._direct(slot, ex, shape, datatype)
+            self._graph_or_direct(slot, ex, shape, datatype, padded_bytes)
             ex.spans, ex.nspans, ex.bytes, ex.padded_bytes = spans.ctypes.data, len(spans), nbytes, padded_bytes
             ex.staging, ex.dev_in = slot.host.data_ptr(), slot.dev.data_ptr()
             ex.host_out, ex.out_bytes = slot.out.data_ptr(), samples * cout * 4
@@ -440,6 +436,15 @@ class CudaPipeline:
             self._free.put(slot)
             raise
         return Pending(slot, samples, cout, host_copy_ns, slot.events, arrays if locked else None)
+
+    def _graph_or_direct(self, slot: _Slot, ex: fused_cuda.Execution, shape: tuple[int, ...], datatype: str,
+                         padded_bytes: int) -> None:
+        """Fill ``ex`` to replay the slot's graph for ``shape`` over its input buffer, or to launch the kernel."""
+        graph = self._graph_for(slot, shape, datatype, padded_bytes)
+        if graph is not None:
+            ex.graph_exec, ex.out = graph[0], graph[1].data_ptr()
+        else:
+            self._direct(slot, ex, shape, datatype)
 
     def _graph_for(self, slot: _Slot, shape: tuple[int, ...], datatype: str, padded_bytes: int) -> tuple | None:
         """The slot's graph for ``shape`` (captured now if the shape recurs and is small enough), or None."""
@@ -509,11 +514,7 @@ class CudaPipeline:
                         and not _overlaps(result.address, result.nbytes, arrays[0].address, nbytes) else None)
                 self._direct(slot, ex, shape, datatype, into)
             else:
-                graph = self._graph_for(slot, shape, datatype, padded_bytes)
-                if graph is not None:
-                    ex.graph_exec, ex.out = graph[0], graph[1].data_ptr()
-                else:
-                    self._direct(slot, ex, shape, datatype)
+                self._graph_or_direct(slot, ex, shape, datatype, padded_bytes)
                 ex.spans, ex.nspans, ex.bytes, ex.padded_bytes = spans.ctypes.data, len(spans), nbytes, padded_bytes
                 ex.dev_in = slot.dev.data_ptr()
             ex.out_spans, ex.nout_spans = out_spans.ctypes.data, len(out_spans) if any(
