@@ -406,7 +406,9 @@ class _Reply:
             return
         result: BatchResult = future.result()
         out = np.ascontiguousarray(result.output, dtype=np.float32).tobytes()  # N x Cout: sent with the header
-        if self.store is not None:
+        # (a non-finite row fails the request in the front end, INVALID_ARGUMENT: the client's region keeps what it
+        # held, as in one process, where the output is stored only once it has been checked)
+        if self.store is not None and np.isfinite(result.output).all():
             try:
                 self.store(out)
             except Exception as failed:

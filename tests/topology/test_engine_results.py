@@ -10,10 +10,13 @@ import gc
 import math
 import time
 import types
+import uuid
 
+import grpc
 import numpy as np
 import pytest
 
+from voxserve.client import Client, InferenceError
 from voxserve.server.core.batching import DynamicBatcher
 from voxserve.server.core.devicemem import DeviceArray
 from voxserve.server.core.errors import ServingError, Status
@@ -21,6 +24,8 @@ from voxserve.server.settings import Settings
 from voxserve.server.topology import ipc
 from voxserve.server.topology.engine import Engine
 from voxserve.testing.fake_devicemem import FakeDeviceMemory
+
+from .test_frontends import fake_layer_front_end
 
 COUT = 16
 SHAPE = (6, 3, 4, 4, 4)  # three chunks of two samples where max_batch is 2
@@ -254,3 +259,25 @@ def test_hostile_trailers_are_answered_with_an_error_and_leave_nothing_leased_or
         assert layer.mapped == 0 and engine.cuda_shm.draining == 0
 
     asyncio.run(main())
+
+
+# --- what the client's region holds after a request that fails -------------------------------------------------------
+
+
+def test_a_non_finite_output_is_invalid_argument_and_is_not_stored_into_the_clients_region(tmp_path):
+    """Through a front end, as in one process: a sample whose output is not finite fails the request with
+    INVALID_ARGUMENT, and the output region is left as it was (the engine stores the output after the execution,
+    where the execution could not write it: it must not store what the front end will refuse)."""
+    x = np.random.default_rng().standard_normal((2, 3, 5, 5, 5), dtype=np.float32)
+    x[1, 0, 0, 0, 0] = np.nan
+    out_bytes = 2 * COUT * 4
+    sentinel = b"\x11" * out_bytes
+    with fake_layer_front_end(tmp_path) as (front, _, fake), Client(front.url) as client:
+        handle = fake.export(x.tobytes() + sentinel, device=0)
+        name = f"nan{uuid.uuid4().hex[:6]}"
+        client.register_cuda_shared_memory(name, handle, 0, x.nbytes + out_bytes)
+        with pytest.raises(InferenceError) as err:
+            client.infer_shared_memory(x.shape, name, output_region=name, output_offset=x.nbytes)
+        assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT and "sample 1" in str(err.value)
+        assert fake.contents(handle)[x.nbytes:] == sentinel
+        client.unregister_cuda_shared_memory(name)
