@@ -140,10 +140,22 @@ def shared_memory_input_bytes(request: pb.ModelInferRequest, shm=None) -> int | 
             if ref is None:
                 return 0
             if shm is not None and shm.cuda is not None and shm.cuda.holds(ref.region):
-                # Nothing to copy; 0 (decoded off the event loop, budgeting nothing) while it is yet to be mapped here
-                return None if shm.cuda.opened(ref.region) else 0
+                # Nothing to copy; 0 (decoded off the event loop, budgeting nothing) while it is yet to be mapped here,
+                # or while the CUDA region its output goes to is (the execution writes it there: decoding leases it)
+                return None if shm.cuda.opened(ref.region) and _output_mapped(request, shm.cuda) else 0
             return ref.byte_size or 0
     return None
+
+
+def _output_mapped(request: pb.ModelInferRequest, cuda) -> bool:
+    """Whether the request's output, if it goes to a CUDA region, goes to one mapped in this process (a malformed
+    output is decode_request's to refuse)."""
+    if not request.outputs or REGION_PARAM not in request.outputs[0].parameters:
+        return True
+    region = request.outputs[0].parameters[REGION_PARAM]
+    if region.WhichOneof("parameter_choice") != "string_param":
+        return True
+    return not cuda.holds(region.string_param) or cuda.opened(region.string_param)
 
 
 def decode_request(request: pb.ModelInferRequest, spec: ModelSpec, shm=None,

@@ -306,7 +306,10 @@ class Engine:
             outbox.put(_error_reply(req_id, exc, model_name))
             return
         pending[req_id] = future
-        future.add_done_callback(_Reply(outbox, pending, req_id, model_name, lease, out_lease, store))
+        # A request of more than max_batch samples runs as chunks, several in flight at once: it can fail (a chunk's
+        # error, its deadline before its last chunk) while another still reads its input and writes its output.
+        whole = shape[0] <= self.runner.max_batch
+        future.add_done_callback(_Reply(outbox, pending, req_id, model_name, lease, out_lease, store, whole))
 
     async def _segment_request(self, name: str, offset: int, shape: tuple[int, ...], datatype: str,
                                deadline: float) -> BatchResult:
@@ -375,19 +378,21 @@ class _Store:
 class _Reply:
     """The done-callback of one request's future: its reply record."""
 
-    __slots__ = ("leases", "model_name", "outbox", "pending", "req_id", "store")
+    __slots__ = ("leases", "model_name", "outbox", "pending", "req_id", "store", "whole")
 
     def __init__(self, outbox: ipc.Outbox, pending: dict, req_id: int, model_name: str, lease: Lease | None,
-                 out_lease: Lease | None = None, store: _Store | None = None) -> None:
+                 out_lease: Lease | None = None, store: _Store | None = None, whole: bool = True) -> None:
         self.outbox, self.pending, self.req_id, self.model_name = outbox, pending, req_id, model_name
         # a CUDA region's input (and output written on the device): released once no execution uses them
         self.leases = tuple(held for held in (lease, out_lease) if held is not None)
         self.store = store
+        self.whole = whole  # one execution (or none): once it is answered, nothing reads or writes its memory
 
     def __call__(self, future: asyncio.Future) -> None:
         self.pending.pop(self.req_id, None)
-        if not future.cancelled():
-            # Answered: its execution is over. Cancelled, it may still run: the leases go with its tensor.
+        if not future.cancelled() and (self.whole or future.exception() is None):
+            # Answered: its executions are over. Cancelled, it may still run, and a request run in chunks that
+            # failed may have others still running: the leases go with its tensors (the executions' views).
             for held in self.leases:
                 held.release()
         self.leases = ()
@@ -401,11 +406,13 @@ class _Reply:
             return
         result: BatchResult = future.result()
         out = np.ascontiguousarray(result.output, dtype=np.float32).tobytes()  # N x Cout: sent with the header
-        if self.store is not None:
+        # (a non-finite row fails the request in the front end, INVALID_ARGUMENT: the client's region keeps what it
+        # held, as in one process, where the output is stored only once it has been checked)
+        if self.store is not None and np.isfinite(result.output).all():
             try:
                 self.store(out)
-            except Exception as failure:
-                self.outbox.put(_error_reply(self.req_id, failure, self.model_name))
+            except Exception as failed:
+                self.outbox.put(_error_reply(self.req_id, failed, self.model_name))
                 return
         self.outbox.put(ipc.REPLY.pack(ipc.OK, 0, len(out), self.req_id, result.queue_ns, result.batch_samples) + out)
 
