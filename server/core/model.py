@@ -257,7 +257,8 @@ class Model:
             row = 0
             for rows, result in results or ():
                 if result is not None:
-                    torch.as_tensor(result, device=self.device).copy_(yd[row : row + rows])
+                    # (on the region's own device, which need not be this model's: a copy across devices then)
+                    torch.as_tensor(result).copy_(yd[row : row + rows])
                 row += rows
         t2 = time.perf_counter_ns()
         y = yd.to("cpu")
