@@ -27,7 +27,8 @@ finishes executions in order complete, first come first served among themselves.
 
 Expired requests are answered DeadlineExceeded without running, and a large one whose deadline passes
 between chunks runs no further chunk; cancelled ones are dropped, and so are the remaining chunks of a
-cancelled large one. A failing chunk fails its request, whose remaining chunks do not run. No gRPC
+cancelled large one. A failing chunk fails its request, whose remaining chunks do not run; a large request that
+fails (or expires) is answered once its chunks still executing are over, as they use its memory. No gRPC
 here: the service maps the exceptions to status codes.
 """
 
@@ -71,7 +72,7 @@ class _Item:
 class _Large(_Item):
     """A request larger than max_batch: chunks of max_batch samples, formed in order, finished in any order."""
 
-    __slots__ = ("datatype", "finished", "formed", "outputs", "started_ns")
+    __slots__ = ("datatype", "error", "finished", "formed", "outputs", "running", "started_ns")
 
     def __init__(self, array: Tensor, deadline: float | None, future: asyncio.Future, datatype: str,
                  chunks: int) -> None:
@@ -79,8 +80,19 @@ class _Large(_Item):
         self.datatype = datatype
         self.formed = 0  # chunks handed to execute
         self.finished = 0  # chunks whose output is in
+        self.running = 0  # chunks executing now
         self.outputs: list = [None] * chunks  # by chunk index
         self.started_ns = 0  # when its first chunk started executing
+        self.error: BaseException | None = None  # why it failed: answered once none of its chunks runs any more
+
+    def fail(self, error: BaseException) -> None:
+        """Fail the request: no further chunk of it runs, and it is answered with ``error`` (the first one) once
+        its chunks still executing are over: until then they read its input and write its output, which may lie
+        in the client's own memory (shared memory), so the client must not be told it is done with it before."""
+        if self.error is None:
+            self.error = error
+        if self.running == 0 and not self.future.done():
+            self.future.set_exception(self.error)
 
 
 _LARGE = ("requests larger than max_batch",)  # the large lane's key: no (shape, datatype) group equals it
@@ -297,13 +309,13 @@ class DynamicBatcher:
         while lane:
             item = lane[0]
             expired = item.deadline is not None and now >= item.deadline
-            if item.future.done() or expired:
+            if item.future.done() or item.error is not None or expired:
                 lane.popleft()
                 if item.formed == 0:
                     self._queued -= 1
                     self._depth_changed(loop)
                 if expired and not item.future.done():
-                    item.future.set_exception(DeadlineExceeded(
+                    item.fail(DeadlineExceeded(
                         "the request's deadline passed while it was queued" if item.formed == 0 else
                         f"the request's deadline passed after {item.formed} of its {len(item.outputs)} executions "
                         f"of at most {self.max_batch} samples"))
@@ -317,6 +329,7 @@ class DynamicBatcher:
                 self._depth_changed(loop)
             self._large_turn_ns = time.perf_counter_ns()
             self._executing += 1
+            item.running += 1
             start = index * self.max_batch
             task = loop.create_task(self._run_chunk(item, index, item.array[start : start + self.max_batch]))
             self._running.add(task)
@@ -350,18 +363,23 @@ class DynamicBatcher:
         started = time.perf_counter_ns()
         if index == 0:
             item.started_ns = started
+        failure: Exception | None = None
         try:
             output = await self._execute([chunk], item.datatype)
         except Exception as exc:
-            if not item.future.done():
-                item.future.set_exception(exc)  # its later chunks are dropped when they come up
-            return
+            failure = exc
         finally:
+            item.running -= 1
             self._executing -= 1
             self._large_turn_ns = time.perf_counter_ns()  # what arrived while it ran goes before the next chunk
             self._slots.release()
             self._wake.set()
-        if item.future.done():  # cancelled, expired or failed meanwhile
+        del chunk  # (its view of the request's memory: no longer read)
+        error = failure if failure is not None else item.error
+        if error is not None:  # its later chunks are dropped when they come up
+            item.fail(error)
+            return
+        if item.future.done():  # cancelled meanwhile
             return
         item.outputs[index] = output
         item.finished += 1

@@ -329,7 +329,11 @@ class InferenceService:
                 decoded_ns = time.perf_counter_ns()
                 waiting = runner.run(decoded.array, decoded.datatype, timeout_s)
                 executing = True  # until its answer is back, an execution may be reading the input
-                result = await waiting
+                try:
+                    result = await waiting
+                except Exception:  # answered with an error: none of its executions runs any more (batching.py)
+                    executing = False
+                    raise
                 executing = False
                 returned_ns = time.perf_counter_ns()
             except (QueueFull, DeadlineExceeded) as exc:

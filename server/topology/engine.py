@@ -306,10 +306,7 @@ class Engine:
             outbox.put(_error_reply(req_id, exc, model_name))
             return
         pending[req_id] = future
-        # A request of more than max_batch samples runs as chunks, several in flight at once: it can fail (a chunk's
-        # error, its deadline before its last chunk) while another still reads its input and writes its output.
-        whole = shape[0] <= self.runner.max_batch
-        future.add_done_callback(_Reply(outbox, pending, req_id, model_name, lease, out_lease, store, whole))
+        future.add_done_callback(_Reply(outbox, pending, req_id, model_name, lease, out_lease, store))
 
     async def _segment_request(self, name: str, offset: int, shape: tuple[int, ...], datatype: str,
                                deadline: float) -> BatchResult:
@@ -378,21 +375,20 @@ class _Store:
 class _Reply:
     """The done-callback of one request's future: its reply record."""
 
-    __slots__ = ("leases", "model_name", "outbox", "pending", "req_id", "store", "whole")
+    __slots__ = ("leases", "model_name", "outbox", "pending", "req_id", "store")
 
     def __init__(self, outbox: ipc.Outbox, pending: dict, req_id: int, model_name: str, lease: Lease | None,
-                 out_lease: Lease | None = None, store: _Store | None = None, whole: bool = True) -> None:
+                 out_lease: Lease | None = None, store: _Store | None = None) -> None:
         self.outbox, self.pending, self.req_id, self.model_name = outbox, pending, req_id, model_name
         # a CUDA region's input (and output written on the device): released once no execution uses them
         self.leases = tuple(held for held in (lease, out_lease) if held is not None)
         self.store = store
-        self.whole = whole  # one execution (or none): once it is answered, nothing reads or writes its memory
 
     def __call__(self, future: asyncio.Future) -> None:
         self.pending.pop(self.req_id, None)
-        if not future.cancelled() and (self.whole or future.exception() is None):
-            # Answered: its executions are over. Cancelled, it may still run, and a request run in chunks that
-            # failed may have others still running: the leases go with its tensors (the executions' views).
+        if not future.cancelled():
+            # Answered, with its result or an error: its executions are over (a request run in chunks is answered
+            # once none of them runs, batching.py). Cancelled, it may still run: the leases go with its tensors.
             for held in self.leases:
                 held.release()
         self.leases = ()

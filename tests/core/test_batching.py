@@ -371,3 +371,46 @@ def test_any_mix_of_requests_gets_exactly_its_own_rows(sizes, max_batch, max_inf
     for x, r in zip(inputs, results, strict=True):
         assert np.array_equal(r.output[:, 0], x[:, 0, 0, 0, 0] * 2.0)
     assert sum(executed) == sum(sizes) and max(executed) <= max_batch
+
+
+@pytest.mark.parametrize("ending", ["a chunk fails", "its deadline passes"])
+def test_a_large_request_that_fails_is_answered_after_its_running_chunks(ending):
+    """Chunks of one large request run side by side; when one fails, or the deadline passes before the last forms,
+    the request is answered with that error only once the chunks still executing are over (they read its input and
+    may write its output in the client's memory), and its remaining chunks never run."""
+    async def go():
+        started: list[tuple[int, asyncio.Event]] = []
+
+        async def execute(arrays, datatype):
+            go_on = asyncio.Event()
+            started.append((len(started), go_on))
+            await go_on.wait()
+            if ending == "a chunk fails" and len(started) and started[0][1] is go_on:
+                raise RuntimeError("the first chunk failed")
+            batch = np.concatenate(arrays)
+            return batch.reshape(batch.shape[0], -1).sum(axis=1, keepdims=True)
+
+        batcher = DynamicBatcher(execute, max_batch=2, max_delay_s=0.0, max_queue=8, max_inflight=2)
+        try:
+            timeout = 0.3 if ending == "its deadline passes" else None
+            answer = asyncio.ensure_future(batcher.submit(_x(6, 1.0), "FP32", timeout))
+            while len(started) < 2:
+                await asyncio.sleep(0.005)
+            if timeout:
+                await asyncio.sleep(timeout + 0.05)
+            started[0][1].set()  # chunk 0 ends (failing, or after the deadline): chunk 1 still runs
+            await asyncio.sleep(0.05)
+            pending_while_running = not answer.done()
+            started[1][1].set()
+            with pytest.raises((RuntimeError, DeadlineExceeded)) as err:
+                await answer
+            return pending_while_running, len(started), err.type
+        finally:
+            for _, event in started:
+                event.set()
+            await batcher.close()
+
+    pending_while_running, chunks, error = asyncio.run(go())
+    assert pending_while_running, "answered while a chunk of it was still executing"
+    assert chunks == 2  # the third chunk never ran
+    assert error is (RuntimeError if ending == "a chunk fails" else DeadlineExceeded)

@@ -105,13 +105,11 @@ async def _until(predicate, timeout: float = 10.0) -> None:
 
 
 @pytest.mark.parametrize("ending", ["a chunk fails", "the deadline passes between chunks"])
-def test_a_large_request_that_fails_keeps_its_regions_mapped_while_another_chunk_still_executes(loaded, tmp_path,
-                                                                                               ending):
+def test_a_large_request_that_fails_is_answered_once_its_running_chunks_are_over(loaded, tmp_path, ending):
     """A request of more than max_batch samples runs as chunks, several in flight at once; when one fails (or its
-    deadline passes before its last chunk forms) the request is answered at once, while another chunk is still
-    executing: reading the input in the client's region and, now, writing its output rows there on the device. An
-    unregistered region must stay mapped until that execution is over (the leases go with the tensors, as in one
-    process: inference.py releases them only once no execution reads them), not be unmapped under it."""
+    deadline passes before its last chunk forms) while another chunk is still executing (reading the input in the
+    client's region and writing its output rows there on the device), the request is answered only once that chunk
+    is over: an unregistered region stays mapped under the execution, and closes as the answer goes out."""
     layer = DeviceLayer(1)
     engine = _engine(loaded, tmp_path, layer)
     chunks = _Chunks()
@@ -128,6 +126,7 @@ def test_a_large_request_that_fails_keeps_its_regions_mapped_while_another_chunk
         await _until(lambda: len(chunks.started) == 2)  # chunks 0 and 1 execute, chunk 2 waits for a slot
         first = chunks.started[1][0][0]
         assert isinstance(first, DeviceArray) and first.result is not None  # the output is written with it
+        del first
         await engine.cuda_shm.unregister("io")  # the client unregisters: the mapping waits for its last lease
         assert layer.mapped == 1 and engine.cuda_shm.draining == 1
         if ending == "a chunk fails":
@@ -135,19 +134,18 @@ def test_a_large_request_that_fails_keeps_its_regions_mapped_while_another_chunk
         else:
             await _until(lambda: time.monotonic() > deadline + 0.01)
             chunks.release(0)
+        await asyncio.sleep(0.05)
+        # chunk 1 is still executing: no answer yet, and its input and output still mapped
+        assert outbox.records == [] and len(chunks.started) == 2  # (and chunk 2 never starts)
+        assert layer.mapped == 1 and layer.closes == 0, "the region was unmapped under a running execution"
+        chunks.release(1)
         await _until(lambda: outbox.records)
         [(header, _message)] = outbox.records
         assert header[0] == ipc.ERROR
         assert Status.of(header[1]) == (Status.INTERNAL if ending == "a chunk fails" else Status.DEADLINE_EXCEEDED)
-        await asyncio.sleep(0.01)
-        # chunk 1 is still executing: its input and its output must still be mapped
-        assert layer.mapped == 1 and layer.closes == 0, "the region was unmapped under a running execution"
-        chunks.release(1)
-        await _until(lambda: not batcher._running)
-        del first
         chunks.started.clear()
-        gc.collect()
-        assert layer.mapped == 0 and engine.cuda_shm.draining == 0  # ... and unmapped once it is over
+        await _until(lambda: layer.mapped == 0)  # ... unmapped with the answer, no collection needed
+        assert engine.cuda_shm.draining == 0 and len(chunks.started) == 0
         await batcher.close()
 
     asyncio.run(main())
