@@ -28,8 +28,9 @@ finishes executions in order complete, first come first served among themselves.
 Expired requests are answered DeadlineExceeded without running, and a large one whose deadline passes
 between chunks runs no further chunk; cancelled ones are dropped, and so are the remaining chunks of a
 cancelled large one. A failing chunk fails its request, whose remaining chunks do not run; a large request that
-fails (or expires) is answered once its chunks still executing are over, as they use its memory. No gRPC
-here: the service maps the exceptions to status codes.
+fails (or expires) is answered once its chunks still executing are over, as they use its memory. An execution
+whose task is cancelled (a shutdown) cancels its requests, as it may go on. No gRPC here: the service maps the
+exceptions to status codes.
 """
 
 from __future__ import annotations
@@ -346,6 +347,10 @@ class DynamicBatcher:
                 if not item.future.done():
                     item.future.set_exception(exc)
             return
+        except BaseException:  # cancelled (a shutdown): its execution may go on, so its requests are cancelled too
+            for item in items:
+                item.future.cancel()
+            raise
         finally:
             self._executing -= 1
             self._slots.release()
@@ -368,6 +373,9 @@ class DynamicBatcher:
             output = await self._execute([chunk], item.datatype)
         except Exception as exc:
             failure = exc
+        except BaseException:  # cancelled (a shutdown): its execution may go on, so its request is cancelled too
+            item.future.cancel()
+            raise
         finally:
             item.running -= 1
             self._executing -= 1
