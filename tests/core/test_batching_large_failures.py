@@ -261,3 +261,51 @@ def test_a_cancelled_batch_task_answers_its_requests():
         return done
 
     assert asyncio.run(go()), "the request is never answered"
+
+
+def test_close_waits_for_every_execution_including_one_formed_while_it_waited():
+    """close() waits for the executions running when it was called; one formed meanwhile (the large request's next
+    chunk, started when a slot came free) must be waited for too: after close() the server unmaps every client
+    region (cudashm.py close: 'its executions are over')."""
+    async def go():
+        model = _Held()
+        batcher = DynamicBatcher(model, max_batch=2, max_delay_s=0.0, max_queue=8, max_inflight=2)
+        answer = batcher.enqueue(_x(6), "FP32")
+        await _until(lambda: len(model.started) == 2)
+        closing = asyncio.ensure_future(batcher.close())
+        await _turns()
+        model.release(0)
+        model.release(1)
+        await _turns()
+        returned_with_one_running = closing.done() and any(not e.is_set() for _, e in model.started)
+        model.release_all()
+        await _turns()
+        if not closing.done():
+            await closing
+        await _turns()
+        return returned_with_one_running, batcher._executing, answer
+
+    returned_with_one_running, executing, answer = asyncio.run(go())
+    assert not returned_with_one_running, "close() returned while an execution still ran"
+    assert executing == 0
+    assert answer.done()
+
+
+def test_close_answers_the_requests_still_queued():
+    async def go():
+        model = _Held()
+        batcher = DynamicBatcher(model, max_batch=2, max_delay_s=0.0, max_queue=8, max_inflight=1)
+        running = batcher.enqueue(_x(1), "FP32")
+        await _until(lambda: len(model.started) == 1)
+        queued = [batcher.enqueue(_x(1), "FP32"), batcher.enqueue(_x(5), "FP32")]
+        closing = asyncio.ensure_future(batcher.close())
+        await _turns()
+        model.release(0)
+        await closing
+        await _turns()
+        return running, queued, len(model.started)
+
+    running, queued, executions = asyncio.run(go())
+    assert running.result().output.shape == (1, 1)
+    assert executions == 1  # nothing starts once close() was called
+    assert all(f.done() for f in queued), "a request queued at close() is never answered"
