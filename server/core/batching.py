@@ -28,8 +28,10 @@ finishes executions in order complete, first come first served among themselves.
 Expired requests are answered DeadlineExceeded without running, and a large one whose deadline passes
 between chunks runs no further chunk; cancelled ones are dropped, and so are the remaining chunks of a
 cancelled large one. A failing chunk fails its request, whose remaining chunks do not run; a large request that
-fails (or expires) is answered once its chunks still executing are over, as they use its memory. No gRPC
-here: the service maps the exceptions to status codes.
+fails (or expires) is answered once its chunks still executing are over, as they use its memory. An execution
+whose task is cancelled (a shutdown) cancels its requests, as it may go on; ``close()`` lets nothing more start,
+waits for the executions running and cancels what is still queued. No gRPC here: the service maps the exceptions
+to status codes.
 """
 
 from __future__ import annotations
@@ -346,6 +348,10 @@ class DynamicBatcher:
                 if not item.future.done():
                     item.future.set_exception(exc)
             return
+        except BaseException:  # cancelled (a shutdown): its execution may go on, so its requests are cancelled too
+            for item in items:
+                item.future.cancel()
+            raise
         finally:
             self._executing -= 1
             self._slots.release()
@@ -368,6 +374,9 @@ class DynamicBatcher:
             output = await self._execute([chunk], item.datatype)
         except Exception as exc:
             failure = exc
+        except BaseException:  # cancelled (a shutdown): its execution may go on, so its request is cancelled too
+            item.future.cancel()
+            raise
         finally:
             item.running -= 1
             self._executing -= 1
@@ -389,9 +398,21 @@ class DynamicBatcher:
             self._on_queued(item.started_ns - item.arrived_ns)
 
     async def close(self) -> None:
-        if self._running:
-            await asyncio.gather(*self._running, return_exceptions=True)
+        """Stop forming executions, wait for those running, then cancel the requests still queued (none of them runs
+        any more). Nothing forms while it waits: once it returns no execution reads a request's memory (the server
+        then unmaps its clients' regions)."""
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
+        if self._running:
+            await asyncio.gather(*self._running, return_exceptions=True)
+        lanes: list[deque] = [*self._groups.values(), self._large]
+        for lane in lanes:
+            for item in lane:
+                item.future.cancel()
+        self._groups.clear()
+        self._large.clear()
+        if self._queued:
+            self._queued = 0
+            self._on_depth(0)
