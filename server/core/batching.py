@@ -58,6 +58,10 @@ class DeadlineExceeded(Exception):
     """The request's deadline passed before it could run."""
 
 
+class Stopped(Exception):
+    """The batcher was closed: it runs nothing more."""
+
+
 class _Item:
     """One queued request (a plain class with slots: one is made per request, on the hot path)."""
 
@@ -150,6 +154,7 @@ class DynamicBatcher:
         self._queued = 0
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
+        self._closed = False  # close() was called
 
     @property
     def depth(self) -> int:
@@ -157,7 +162,9 @@ class DynamicBatcher:
         return self._queued
 
     def admit(self) -> None:
-        """QueueFull, naming the limit, when the queue holds its maximum number of requests."""
+        """QueueFull, naming the limit, when the queue holds its maximum number of requests; Stopped once closed."""
+        if self._closed:
+            raise Stopped("its executions have stopped (the server is shutting down)")
         if self._queued >= self.max_queue:
             raise QueueFull(f"the queue holds {self._queued} requests, its limit (--max-queue-size {self.max_queue})")
 
@@ -401,6 +408,7 @@ class DynamicBatcher:
         """Stop forming executions, wait for those running, then cancel the requests still queued (none of them runs
         any more). Nothing forms while it waits: once it returns no execution reads a request's memory (the server
         then unmaps its clients' regions)."""
+        self._closed = True  # what comes after is refused (Stopped), not queued for a loop that is gone
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):

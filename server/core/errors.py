@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import enum
 
-from .batching import DeadlineExceeded, QueueFull
+from .batching import DeadlineExceeded, QueueFull, Stopped
 
 # A client's string quoted in an error message is cut to this many characters: the message travels in the
 # status trailer, and a long one would turn the intended code into the transport's RESOURCE_EXHAUSTED.
@@ -101,4 +101,6 @@ def runner_error(exc: BaseException, model_name: str) -> ServingError | None:
         return unavailable(f"model '{model_name}' is overloaded: {exc}; retry later")
     if isinstance(exc, DeadlineExceeded):
         return ServingError(Status.DEADLINE_EXCEEDED, str(exc))
+    if isinstance(exc, Stopped):
+        return unavailable(f"model '{model_name}' is not served any more here: {exc}; retry on another replica")
     return None

@@ -22,7 +22,7 @@ import numpy as np
 from voxserve.proto import pb
 
 from .. import tracing
-from ..core.batching import BatchResult, DeadlineExceeded, QueueFull
+from ..core.batching import BatchResult, DeadlineExceeded, QueueFull, Stopped
 from ..core.errors import ServingError, Status, internal, invalid, runner_error, unavailable
 from ..metrics import Metrics
 from . import codec
@@ -336,7 +336,7 @@ class InferenceService:
                     raise
                 executing = False
                 returned_ns = time.perf_counter_ns()
-            except (QueueFull, DeadlineExceeded) as exc:
+            except (QueueFull, DeadlineExceeded, Stopped) as exc:
                 raise (runner_error(exc, self.model_name) or exc) from None
             _check_finite(result.output)
             if deadline is not None and deadline - asyncio.get_running_loop().time() <= DEADLINE_SLACK_S:

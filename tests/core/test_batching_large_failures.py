@@ -9,7 +9,8 @@ import asyncio
 import numpy as np
 import pytest
 
-from voxserve.server.core.batching import DeadlineExceeded, DynamicBatcher
+from voxserve.server.core.batching import DeadlineExceeded, DynamicBatcher, Stopped
+from voxserve.server.core.errors import Status, runner_error
 
 
 def _x(n: int, value: float = 1.0) -> np.ndarray:
@@ -291,3 +292,15 @@ def test_close_answers_the_requests_still_queued():
     assert running.result().output.shape == (1, 1)
     assert executions == 1  # nothing starts once close() was called
     assert all(f.done() for f in queued), "a request queued at close() is never answered"
+
+
+def test_a_request_after_close_is_refused_not_left_waiting():
+    async def go():
+        _model, batcher = _make()
+        await batcher.close()
+        with pytest.raises(Stopped):
+            batcher.enqueue(_x(1), "FP32")
+        return runner_error(Stopped("its executions have stopped"), "voxnet")
+
+    error = asyncio.run(go())
+    assert error is not None and error.code == Status.UNAVAILABLE and "retry on another replica" in error.message
