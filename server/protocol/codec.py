@@ -266,21 +266,17 @@ def decode_request(request: pb.ModelInferRequest, spec: ModelSpec, shm=None,
 def _output_on_device(array, output: SharedMemoryRef | None, cuda, cout: int):
     """The input, and the output's lease: where the input lies in CUDA memory and the output goes to a CUDA region on
     the same device, the input with that span as its ``result``, whose output the execution writes there on the
-    device (a DeviceArray here, or, in a front end, a RegionTensor naming the output region for the engine). As it
-    came, and None, otherwise (the output is stored after the execution), and for an output offset that is not a
-    whole float (a copy from the host takes it, a kernel's store would not)."""
+    device (a DeviceArray here: ``attach_result``; or, in a front end, a RegionTensor naming the output region for
+    the engine). As it came, and None, otherwise (the output is stored after the execution), and for an output
+    offset that is not a whole float (a copy from the host takes it, a kernel's store would not)."""
     if (not isinstance(array, (DeviceArray, RegionTensor)) or output is None or output.offset % 4
             or not cuda.holds(output.region)):
         return array, None
-    target, lease = cuda.read(output.region, output.offset, (array.shape[0], cout), np.dtype("<f4"),
-                              f"output '{OUTPUT_NAME}'")
-    if isinstance(array, DeviceArray) and isinstance(target, DeviceArray) and target.device == array.device:
-        array.result = target
-        return array, lease
-    if lease is not None:
-        lease.release()
-    if (isinstance(array, RegionTensor) and isinstance(target, RegionTensor) and array.kind == target.kind == "cuda"
-            and target.device_id == array.device_id):
+    what = f"output '{OUTPUT_NAME}'"
+    if isinstance(array, DeviceArray):
+        return array, cuda.attach_result(array, output.region, output.offset, cout, what)
+    target, _ = cuda.read(output.region, output.offset, (array.shape[0], cout), np.dtype("<f4"), what)
+    if isinstance(target, RegionTensor) and array.kind == target.kind == "cuda" and target.device_id == array.device_id:
         return dataclasses.replace(array, result=(target.region, target.offset)), None
     return array, None
 

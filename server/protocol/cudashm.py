@@ -277,6 +277,20 @@ class CudaSharedMemoryRegistry:
             return host_view(lease.address, shape, dtype, lease), lease
         return DeviceArray(lease.address, shape, dtype, lease.device, lease), lease
 
+    def attach_result(self, array: DeviceArray | np.ndarray, name: str, offset: int, cout: int,
+                      what: str) -> Lease | None:
+        """Make the (N, ``cout``) FP32 span at ``offset`` of region ``name`` the ``result`` of the input ``array`` (its
+        execution writes the output there, on the device) and return the span's lease, where both lie in device
+        memory on one device; None otherwise, nothing held (the output is then written after the execution, from
+        the host). The span is checked either way; errors as ``read``'s (a span not on a whole float among them)."""
+        target, lease = self.read(name, offset, (array.shape[0], cout), np.dtype("<f4"), what)
+        if isinstance(array, DeviceArray) and isinstance(target, DeviceArray) and target.device == array.device:
+            array.result = target
+            return lease
+        if lease is not None:
+            lease.release()
+        return None
+
     def write(self, name: str, offset: int, data: bytes, what: str) -> None:
         """Copy ``data`` to ``offset`` of region ``name`` (an output), complete when this returns. Errors as
         ``lease``'s; a copy the device refuses is INTERNAL, naming CUDA's error."""

@@ -280,17 +280,10 @@ class Engine:
                                                    "the request's input")
                 assert not isinstance(tensor, RegionTensor)  # this registry maps its regions: an address
                 if result is not None:  # its output goes into a CUDA region: written on the device, or stored here
-                    target, out_lease = self.cuda_shm.read(result[0], result[1], (shape[0], int(self.hello["cout"])),
-                                                           np.dtype("<f4"), "the request's output")
-                    if isinstance(tensor, DeviceArray) and isinstance(target, DeviceArray) \
-                            and target.device == tensor.device:
-                        tensor.result = target
-                    else:  # (host memory: a fake device layer's)
-                        if out_lease is not None:
-                            out_lease.release()
-                        out_lease = None
+                    out_lease = self.cuda_shm.attach_result(tensor, *result, int(self.hello["cout"]),
+                                                            "the request's output")
+                    if out_lease is None:  # (host memory: a fake device layer's)
                         store = _Store(self.cuda_shm, *result)
-                    del target
                 array = tensor
             elif kind == ipc.INFER and offset + nbytes <= len(arena):
                 array = arena[offset : offset + nbytes].view(WIRE_DTYPE[datatype]).reshape(shape)
