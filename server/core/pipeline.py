@@ -502,7 +502,6 @@ class CudaPipeline:
             slot.reserve(0 if in_place else padded_bytes, padded * cout, staging=False)  # gathered on the device
             ex = slot.execution
             ex.stage = 3
-            spans = np.array([(a.address, a.nbytes) for a in arrays], dtype=np.int64)
             results = [a.result for a in arrays]
             out_spans = np.array([(r.address if r is not None else 0, int(a.shape[0]) * cout * 4)
                                   for a, r in zip(arrays, results, strict=True)], dtype=np.int64)
@@ -515,6 +514,7 @@ class CudaPipeline:
                 self._direct(slot, ex, shape, datatype, into)
             else:
                 self._graph_or_direct(slot, ex, shape, datatype, padded_bytes)
+                spans = np.array([(a.address, a.nbytes) for a in arrays], dtype=np.int64)  # (alive until execute)
                 ex.spans, ex.nspans, ex.bytes, ex.padded_bytes = spans.ctypes.data, len(spans), nbytes, padded_bytes
                 ex.dev_in = slot.dev.data_ptr()
             ex.out_spans, ex.nout_spans = out_spans.ctypes.data, len(out_spans) if any(
