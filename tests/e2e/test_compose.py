@@ -108,8 +108,14 @@ def test_compose_runs_voxserve_and_prometheus_with_the_target_up_and_the_rules_l
             return rules if set(rules) == names and all(r["health"] == "ok" for r in rules.values()) else None
 
         _wait("every alert rule loaded and evaluated", TIMEOUT_S, rules_loaded)
-        ready = _get(f"{api}/query?query=voxserve_model_ready")["data"]["result"]
-        assert [r["value"][1] for r in ready] == ["1"], ready
+
+        def model_ready():
+            # The target can be up from a scrape taken while the model still warmed up (ready 0); the next
+            # scrape after readiness must show 1.
+            ready = _get(f"{api}/query?query=voxserve_model_ready")["data"]["result"]
+            return ready if [r["value"][1] for r in ready] == ["1"] else None
+
+        _wait("Prometheus' voxserve_model_ready 1", TIMEOUT_S, model_ready)
         passed = True
     finally:
         if not passed:  # the services' own words, for the report
