@@ -180,7 +180,10 @@ class RemoteRunner:
         keep: object = arr
         if offset is None:  # the one copy of a wire tensor in a front end: into the arena
             offset, keep = await self.arena.allocate(arr.nbytes)
-            np.frombuffer(keep, np.uint8)[:] = np.ascontiguousarray(arr).reshape(-1).view(np.uint8)
+            if arr.flags.c_contiguous:  # (a wire tensor always is) one buffer copy, no numpy temporaries
+                keep[:] = arr.data.cast("B")
+            else:
+                np.frombuffer(keep, np.uint8)[:] = np.ascontiguousarray(arr).reshape(-1).view(np.uint8)
             self.copied_bytes += arr.nbytes
         sending = self._send(link, ipc.INFER, datatype, offset, arr.nbytes, arr.shape, timeout_s, keep)
         del keep, arr  # an error's traceback keeps this frame: only the pending entry may hold the bytes

@@ -116,7 +116,8 @@ def test_coverage_guided_fuzzing_short_run():
 
 
 def _agrees_with_protobuf(data: bytes) -> None:
-    """The zero-copy parser accepts exactly what protobuf accepts, with the same content."""
+    """The zero-copy parser accepts exactly what protobuf accepts, with the same content: its walk of the fields
+    (forced, whatever the message's length) and the parse the server makes of a message of that length."""
     from google.protobuf.message import DecodeError
 
     from voxserve.server.protocol.wire import parse_infer_request
@@ -125,15 +126,18 @@ def _agrees_with_protobuf(data: bytes) -> None:
         expected = pb.ModelInferRequest.FromString(data)
     except DecodeError:
         expected = None
-    try:
-        parsed = parse_infer_request(data)
-    except DecodeError:
-        parsed = None
-    assert (parsed is None) == (expected is None)
-    if parsed is not None:
-        assert [bytes(v) for v in parsed.raw] == list(expected.raw_input_contents)
-        expected.ClearField("raw_input_contents")
-        assert parsed.message == expected
+    for whole_below in (0, len(data) + 1):
+        try:
+            parsed = parse_infer_request(data, whole_below)
+        except DecodeError:
+            parsed = None
+        assert (parsed is None) == (expected is None)
+        if parsed is not None:
+            assert [bytes(v) for v in parsed.raw] == list(expected.raw_input_contents)
+            rest = pb.ModelInferRequest()
+            rest.CopyFrom(expected)
+            rest.ClearField("raw_input_contents")
+            assert parsed.message == rest
 
 
 @settings(max_examples=1500, deadline=None)
@@ -150,12 +154,13 @@ def test_zero_copy_parser_agrees_with_protobuf_on_mutated_requests():
 
 def test_zero_copy_parser_views_the_received_bytes():
     from voxserve.client import build_request
-    from voxserve.server.protocol.wire import parse_infer_request
+    from voxserve.server.protocol.wire import WHOLE_PARSE_BYTES, parse_infer_request
 
-    x = np.random.default_rng().standard_normal((4, 3, 5, 6, 7), dtype=np.float32)
+    x = np.random.default_rng().standard_normal((16, 3, 5, 6, 7), dtype=np.float32)
     data = build_request(x, "voxnet", "FP32", request_id="r1").SerializeToString()
+    assert len(data) >= WHOLE_PARSE_BYTES
     parsed = parse_infer_request(data)
-    assert parsed.message.id == "r1" and list(parsed.message.inputs[0].shape) == [4, 3, 5, 6, 7]
+    assert parsed.message.id == "r1" and list(parsed.message.inputs[0].shape) == [16, 3, 5, 6, 7]
     assert parsed.raw[0].obj is data  # a view of gRPC's buffer, not a copy
     assert np.array_equal(np.frombuffer(parsed.raw[0], np.float32).reshape(x.shape), x)
 
