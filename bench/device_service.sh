@@ -2,7 +2,8 @@
 # The service benchmark on a GPU machine (repository root): GPU pipeline and front-end tests (TESTS=0 skips
 # them), then bench/service_bench.py with --frontends and a multi-process batch-1 client, full batches at
 # FULL_CONCURRENCY (1,4,16). Peers, when carried:
-#   MLServer: its wheels in .mls/ (pip download mlserver and its dependencies for the device's Python);
+#   MLServer: its wheels in .mls/ (12 MB): bash bench/mlserver_carry.sh (MLServer 1.7.1 and what it imports
+#             beyond the device's image, for Python 3.12); they are used only if mlserver imports with them;
 #   Triton:   .triton/ holding the nvidia-pytriton 0.7.0 wheel (55 MB), or, to travel beside .mls/ within one
 #             call's 64 MiB, its server parts for Python 3.12 (27 MB):
 #             python bench/triton_peer/server.py pack nvidia_pytriton-0.7.0-*.whl .triton/tritonserver-py3.12.zip --python 3.12
@@ -14,7 +15,9 @@ exec > >(tee -a "$OUT/service.log") 2>&1
 source bench/device_env.sh > /dev/null || exit 1
 MLS=()
 if compgen -G ".mls/*.whl" > /dev/null; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/mls-site .mls/*.whl && MLS=(--mlserver-pythonpath /tmp/mls-site)
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/mls-site .mls/*.whl \
+    && PYTHONPATH=bench/mlserver_peer:/tmp/mls-site${PYTHONPATH:+:$PYTHONPATH} python3 -c "import mlserver.cli.main, voxnet_runtime" \
+    && MLS=(--mlserver-pythonpath /tmp/mls-site)
 fi
 TRITON=()
 triton=$({ compgen -G ".triton/*.zip"; compgen -G ".triton/*.whl"; } | head -1)
@@ -24,7 +27,7 @@ if [ "${TESTS:-1}" != 0 ]; then
 fi
 name=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | tr 'A-Z ' 'a-z-')
 left=$(( ${LIMIT_S:-590} - SECONDS ))
-echo "service_bench: ${left} s left; MLServer: ${MLS[*]:-not carried}; Triton: ${TRITON[*]:-not carried}"
+echo "service_bench: ${left} s left; MLServer: ${MLS[*]:-not run}; Triton: ${TRITON[*]:-not carried}"
 PYTHONUNBUFFERED=1 timeout "$left" python3 bench/service_bench.py --frontends "${FRONTENDS:-6}" --processes 8 \
   --connections 16 --full-concurrency "${FULL_CONCURRENCY:-1,4,16}" --duration "${DURATION:-5}" "${MLS[@]}" \
   "${TRITON[@]}" --out "$OUT/service-$name.md" > /dev/null
