@@ -19,6 +19,7 @@ from .protocol.codec import ModelSpec
 from .protocol.control import ControlService
 from .protocol.cudashm import CudaSharedMemoryRegistry
 from .protocol.inference import InferenceService
+from .protocol.partner import call_peer
 from .protocol.rest import METHOD_PREFIX as REST_METHOD_PREFIX
 from .protocol.rest import RestServer
 from .protocol.server import GrpcServer
@@ -76,7 +77,10 @@ class VoxServer:
         self.cuda_shm: CudaSharedMemoryRegistry | None = None
         if device_memory is not None:
             self._offer_cuda_shm(device_memory)
-        self.grpc = GrpcServer(settings, self.control, self.service, role.supervised, self._count_refused)
+        self.grpc = GrpcServer(settings, self.control, self.service, role.supervised, self._count_refused,
+                               partner=bool(role.partner_socket))
+        if role.partner_socket:  # its clients are the native front end's: the access log names them so too
+            self.service.peer_of = call_peer
         self.limiter = self.grpc.limiter
         self.rest = RestServer(settings, self.control, self.service, self.limiter, role.supervised,
                                self._count_refused) if settings.http_port >= 0 else None
@@ -118,9 +122,14 @@ class VoxServer:
             if s.metrics_port > 0:
                 ports.ensure_free(s.host, s.metrics_port, "--metrics-port")
         self._weights = await asyncio.to_thread(read_weights, s, self.role, self.metrics)
-        self.port = self.grpc.bind(s.host, s.grpc_port)
-        if self.port == 0:
-            raise OSError(f"could not bind gRPC to {s.host}:{s.grpc_port}")
+        if self.role.partner_socket:  # behind a native front end, which holds the public port
+            if not self.grpc.bind_socket(self.role.partner_socket):
+                raise OSError(f"could not bind gRPC to unix:{self.role.partner_socket}")
+            self.port = s.grpc_port
+        else:
+            self.port = self.grpc.bind(s.host, s.grpc_port)
+            if self.port == 0:
+                raise OSError(f"could not bind gRPC to {s.host}:{s.grpc_port}")
         if s.metrics_port >= 0:
             self.metrics_port = self.metrics.serve_http(s.host, s.metrics_port)
         await self._set_serving(False)

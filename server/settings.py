@@ -229,6 +229,12 @@ class Settings:
         "at most 16 per GPU replica, when the model runs on a GPU; 0 on the CPU",
         parse=frontends_count,
         check=(lambda v: v == AUTO or (isinstance(v, int) and 0 <= v <= 64), "must be 0..64 or auto"))
+    frontend_impl: str = option(
+        "python",
+        "with --frontends: python (each front end a Python process) or native (each a C++ process that answers plain "
+        "ModelInfer requests itself, several times cheaper per request, and hands every other call to a Python "
+        "partner process; built on first use with g++ and gRPC's C++ library: server/native/)",
+        check=(lambda v: v in ("python", "native"), "must be python or native"))
     frontend_arena_bytes: int = option(
         256 * MiB,
         "with --frontends: each front end's shared staging memory for tensors on their way to an engine (requests "
@@ -297,6 +303,8 @@ def validate(s: Settings) -> None:
             value = getattr(s, field.name)
             need(ok(value), flag_name(field.name), value, rule)
     need(not (s.devices and s.device == "cpu"), "--devices", s.devices, "cannot be combined with --device cpu")
+    need(s.frontend_impl == "python" or s.frontends != 0, "--frontend-impl", s.frontend_impl,
+         "needs --frontends N (or auto): it is what kind of front end each of them is")
     need(1 <= s.max_streams_per_connection <= s.max_concurrent_rpcs, "--max-streams-per-connection",
          s.max_streams_per_connection, f"must be 1..--max-concurrent-rpcs ({s.max_concurrent_rpcs})")
     if s.latency_buckets_s:

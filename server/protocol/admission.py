@@ -71,8 +71,11 @@ class RpcLimiter:
     connections (see the module's docstring). A call over the limit is answered RESOURCE_EXHAUSTED, naming the
     limit, and ``on_refused(method)`` is told (for its metrics)."""
 
-    def __init__(self, limit: int, on_refused: Callable[[str], None] | None = None) -> None:
+    def __init__(self, limit: int, on_refused: Callable[[str], None] | None = None,
+                 peer_of: Callable[[grpc.aio.ServicerContext], str] | None = None) -> None:
         self.limit = limit
+        # Which client a gRPC call is (its connection): the call's peer, or who a native front end says it is.
+        self._peer_of = peer_of or (lambda context: context.peer() or "")
         self.preempted = 0  # streams ended to make room for other connections' calls
         self._by_peer: dict[str, set[Call]] = {}
         self._active = 0
@@ -115,7 +118,7 @@ class RpcLimiter:
 
     async def _admit(self, method: str, context, streaming: bool) -> Call:
         try:
-            return self.admit(context.peer() or "", method, streaming)
+            return self.admit(self._peer_of(context), method, streaming)
         except ServingError as exc:
             await abort(context, exc)
             raise  # (abort raises)

@@ -107,6 +107,8 @@ class InferenceService:
         self.access_log = access_log
         # The one check a request makes for both (--tracing, --access-log): with both off, nothing else.
         self._observed = tracer is not None or access_log is not None
+        # Who a call's client is, for the access log (behind a native front end: who it says; partner.py).
+        self.peer_of: Callable[..., str] = lambda call: call.peer()
 
     @property
     def observed(self) -> bool:
@@ -389,6 +391,22 @@ class InferenceService:
             if served:
                 m.request_duration.observe((ended - arrived) / 1e9)
 
+    def account(self, code: Status, elapsed_ns: int, queue_ns: int, samples: int, input_bytes: int,
+                served: bool = True) -> None:
+        """Count one request another process answered as this one counts its own (a native front end's: partner.py):
+        voxserve_requests_total, its duration, samples and wire bytes, and ModelStatistics."""
+        m = self.metrics.series
+        if code is Status.OK:
+            self.state.stats.record_success(samples, elapsed_ns, queue_ns)
+            m.samples.inc(samples)
+        else:
+            self.state.stats.record_failure(elapsed_ns)
+        if input_bytes:
+            m.input_bytes["wire"].inc(input_bytes)
+        self.metrics.count_request(code.name, served)
+        if served:
+            m.request_duration.observe(elapsed_ns / 1e9)
+
     def _observe(self, call, method: str, parsed: InferRequest | MalformedRequest | None, code: Status, error: str,
                  decoded: codec.InferInput | None, result: BatchResult | None,
                  stamps: tuple[int, int, int, int]) -> None:
@@ -435,7 +453,8 @@ class InferenceService:
                 self.access_log.record(transport="http" if http is not None else "grpc",
                                        method=f"POST {http.route}" if http is not None else method, code=code.name,
                                        duration_ms=(ended - arrived) / 1e6, model=model,
-                                       peer=call.peer() if call is not None else None, request_id=request_id or None,
+                                       peer=self.peer_of(call) if call is not None else None,
+                                       request_id=request_id or None,
                                        input_bytes=nbytes, samples=samples, http_status=http_status)
         except Exception:
             log.exception("tracing or access-logging a request failed")

@@ -17,6 +17,7 @@ from .admission import RpcLimiter
 from .control import ControlService
 from .health import HealthServicer
 from .inference import InferenceService
+from .partner import REPORT_METHOD, Reports, forwarded_peer
 from .service import SERVICE_NAME, add_to_server
 
 # Server reflection v1 is v1alpha under another name (the same messages, field for field): grpcurl and newer
@@ -27,6 +28,30 @@ HEALTH_SERVICE = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
 IDENTITY_ONLY = 1
 
 
+def grpc_options(settings: Settings, shares_port: bool) -> list[tuple[str, int]]:
+    """The gRPC server's options (channel arguments): message limits, streams per connection, keepalive, compression;
+    a native front end's too (server/topology/native.py)."""
+    options = [
+        ("grpc.max_receive_message_length", settings.max_message_bytes),
+        ("grpc.max_send_message_length", settings.max_message_bytes),
+        # One connection holds at most this share of --max-concurrent-rpcs.
+        ("grpc.max_concurrent_streams", settings.max_streams_per_connection),
+        # ... counted as HTTP/2 counts them, as the client does. gRPC's overload protection also counts a call
+        # whose answer was sent until its handler has let go of it, a moment later, and resets the streams
+        # a client opens within that moment (REFUSED_STREAM): a client at its limit lost up to 40 % of its
+        # calls. The server's own bounds (--max-concurrent-rpcs, the queue) hold either way.
+        ("grpc.http.overload_protection", 0),
+        # Find dead peers (a vanished or stalled client) and free what their calls hold.
+        ("grpc.keepalive_time_ms", 60_000),
+        ("grpc.keepalive_timeout_ms", 20_000),
+    ]
+    if not settings.grpc_compression:  # a compressed message is refused from its headers, never inflated
+        options.append(("grpc.compression_enabled_algorithms_bitset", IDENTITY_ONLY))
+    if not shares_port:  # a server of its own: no other process may join its port (SO_REUSEPORT)
+        options.append(("grpc.so_reuseport", 0))
+    return options
+
+
 class GrpcServer:
     """A grpc.aio server for the inference service's two servicers: construct it inside the event loop that
     will run it (grpc.aio binds to that loop). ``on_refused(code_name, method)`` hears of each call refused
@@ -34,41 +59,34 @@ class GrpcServer:
     share its port."""
 
     def __init__(self, settings: Settings, control: ControlService, inference: InferenceService, shares_port: bool,
-                 on_refused: Callable[[str, str], None]) -> None:
+                 on_refused: Callable[[str, str], None], partner: bool = False) -> None:
         self.settings = settings
+        # The partner of a native front end (partner.py): served on a private Unix socket, without TLS (the native
+        # front end terminates it), its clients named by the native front end, which reports what it served itself.
+        self.partner = partner
         self.health = HealthServicer(settings.stream_idle_timeout_s)
-        options = [
-            ("grpc.max_receive_message_length", settings.max_message_bytes),
-            ("grpc.max_send_message_length", settings.max_message_bytes),
-            # One connection holds at most this share of --max-concurrent-rpcs.
-            ("grpc.max_concurrent_streams", settings.max_streams_per_connection),
-            # ... counted as HTTP/2 counts them, as the client does. gRPC's overload protection also counts a call
-            # whose answer was sent until its handler has let go of it, a moment later, and resets the streams
-            # a client opens within that moment (REFUSED_STREAM): a client at its limit lost up to 40 % of its
-            # calls. The server's own bounds (--max-concurrent-rpcs, the queue) hold either way.
-            ("grpc.http.overload_protection", 0),
-            # Find dead peers (a vanished or stalled client) and free what their calls hold.
-            ("grpc.keepalive_time_ms", 60_000),
-            ("grpc.keepalive_timeout_ms", 20_000),
-        ]
-        if not settings.grpc_compression:  # a compressed message is refused from its headers, never inflated
-            options.append(("grpc.compression_enabled_algorithms_bitset", IDENTITY_ONLY))
-        if not shares_port:  # a server of its own: no other process may join its port (SO_REUSEPORT)
-            options.append(("grpc.so_reuseport", 0))
+        options = grpc_options(settings, shares_port)
         interceptors = []
         if settings.auth_token_file:
             open_methods = security.HEALTH_METHODS if settings.open_health else frozenset()
+            if partner:  # the native front end's own call (clients cannot reach it: it refuses that service)
+                open_methods |= {REPORT_METHOD}
             interceptors.append(security.TokenAuthInterceptor(
                 security.load_tokens(settings.auth_token_file), open_methods,
                 lambda method: on_refused(grpc.StatusCode.UNAUTHENTICATED.name, method)))
-        self._credentials = security.server_credentials(settings.tls_cert or None, settings.tls_key or None,
-                                                        settings.tls_client_ca or None)
+        self._credentials = None if partner else security.server_credentials(
+            settings.tls_cert or None, settings.tls_key or None, settings.tls_client_ca or None)
         # --max-concurrent-rpcs is applied to the handlers (server/protocol/admission.py), after the token check.
         self.server = grpc.aio.server(options=options, interceptors=interceptors)
         self.limiter = RpcLimiter(settings.max_concurrent_rpcs,
-                                  lambda method: on_refused(grpc.StatusCode.RESOURCE_EXHAUSTED.name, method))
+                                  lambda method: on_refused(grpc.StatusCode.RESOURCE_EXHAUSTED.name, method),
+                                  forwarded_peer if partner else None)
         add_to_server(control, inference, self.server, self.limiter)
         self._add_health_and_reflection()
+        self.reports: Reports | None = None
+        if partner:
+            self.reports = Reports(inference)
+            self.server.add_generic_rpc_handlers((self.reports.handler(),))
 
     @property
     def secure(self) -> bool:
@@ -105,6 +123,10 @@ class GrpcServer:
         if self._credentials is not None:
             return self.server.add_secure_port(address, self._credentials)
         return self.server.add_insecure_port(address)
+
+    def bind_socket(self, path: str) -> bool:
+        """Listen on the Unix socket ``path`` (a native front end's partner: there only, in plaintext)."""
+        return self.server.add_insecure_port(f"unix:{path}") != 0
 
     async def start(self) -> None:
         await self.server.start()

@@ -17,6 +17,8 @@ NAME_ENV = "VOXSERVE_REPLICA_INDEX"  # the child's name among its peers
 ROLE_ENV = "VOXSERVE_ROLE"  # with --frontends: "engine" or "frontend"
 ENGINE_SOCKET_ENV = "VOXSERVE_ENGINE_SOCKET"  # an engine's socket
 ENGINES_ENV = "VOXSERVE_ENGINES"  # a front end's engines' sockets, os.pathsep between them
+# --frontend-impl native: the Unix socket a Python front end serves gRPC on, behind its native front end (only there)
+FRONTEND_SOCKET_ENV = "VOXSERVE_FRONTEND_SOCKET"
 
 STANDALONE, REPLICA, FRONTEND, ENGINE = "standalone", "replica", "frontend", "engine"
 
@@ -25,13 +27,16 @@ STANDALONE, REPLICA, FRONTEND, ENGINE = "standalone", "replica", "frontend", "en
 class Role:
     """``standalone``: a server of its own (the model in process, its own ports and metrics). ``replica``: one of
     --replicas, sharing the supervisor's port; ``frontend``: a gRPC front end of ``engines``; ``engine``: the
-    model's process behind ``engine_socket``. All but standalone keep their shared state in ``run_dir``."""
+    model's process behind ``engine_socket``. All but standalone keep their shared state in ``run_dir``. A front end
+    with a ``partner_socket`` is the partner of a native front end (--frontend-impl native): it serves gRPC on that
+    private socket only, for the calls the native one hands it, and hears from it what it served itself."""
 
     kind: str = STANDALONE
     run_dir: str = ""
     name: str = ""
     engines: tuple[str, ...] = ()
     engine_socket: str = ""
+    partner_socket: str = ""
 
     @property
     def supervised(self) -> bool:
@@ -48,7 +53,8 @@ class Role:
         engines = tuple(p for p in env.get(ENGINES_ENV, "").split(os.pathsep) if p) if kind == FRONTEND else ()
         if kind == FRONTEND and not engines:
             raise ValueError(f"{ROLE_ENV}={FRONTEND} needs the engines' sockets in {ENGINES_ENV}")
-        return cls(kind, run_dir, env.get(NAME_ENV, ""), engines, env.get(ENGINE_SOCKET_ENV, ""))
+        partner = env.get(FRONTEND_SOCKET_ENV, "") if kind == FRONTEND else ""
+        return cls(kind, run_dir, env.get(NAME_ENV, ""), engines, env.get(ENGINE_SOCKET_ENV, ""), partner)
 
     def environment(self) -> dict[str, str]:
         """The variables that tell a child this role (from_environment's inverse)."""
@@ -59,4 +65,6 @@ class Role:
             env[ENGINES_ENV] = os.pathsep.join(self.engines)
         if self.engine_socket:
             env[ENGINE_SOCKET_ENV] = self.engine_socket
+        if self.partner_socket:
+            env[FRONTEND_SOCKET_ENV] = self.partner_socket
         return env

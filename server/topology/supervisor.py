@@ -43,7 +43,9 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from .. import logs
+from ..core.errors import StartupError
 from ..settings import AUTO, Settings, env_name
+from . import native as native_frontends
 from .ports import PortInUse, bind_address, ensure_free
 from .roles import ENGINE, FRONTEND, REPLICA, Role
 
@@ -117,6 +119,7 @@ def child_environment(settings: Settings, role: Role, device: str, devices: str,
         env_name("metrics_port"): "-1",
         env_name("replicas"): "1",
         env_name("frontends"): "0",
+        env_name("frontend_impl"): "python",  # (each child is one process: the choice was the supervisor's)
         **role.environment(),
         "PROMETHEUS_MULTIPROC_DIR": os.path.join(role.run_dir, "metrics"),
     })
@@ -212,6 +215,15 @@ def supervise(settings: Settings, command: Sequence[str] | None = None) -> int:
     except PortInUse as exc:
         log.error("start-up failed: %s", exc)
         return 1
+    native = None
+    if frontends and settings.frontend_impl == "native":
+        from ..native import build as native_build  # (g++ and gRPC's C++ library: only for native front ends)
+
+        try:
+            native = native_build.build()
+        except native_build.NativeBuildError as exc:
+            log.error("start-up failed: --frontend-impl native: %s", exc)
+            return 1
     run_dir = tempfile.mkdtemp(prefix="voxserve-replicas-")
     os.makedirs(os.path.join(run_dir, "metrics"))
     os.makedirs(os.path.join(run_dir, "regions"))
@@ -223,6 +235,11 @@ def supervise(settings: Settings, command: Sequence[str] | None = None) -> int:
     stopping = threading.Event()
     metrics_server = None
     try:
+        try:  # before any child starts
+            token_digests = native_frontends.write_token_digests(settings, run_dir) if native is not None else None
+        except StartupError as exc:
+            log.error("start-up failed: %s", exc)
+            return 1
         assignments = replica_devices(settings, settings.replicas, _gpu_count())
         if settings.metrics_port >= 0:  # bound before any child starts, so a failure here leaves none behind
             metrics_server, bound = _serve_metrics(settings.host, settings.metrics_port, run_dir)
@@ -239,11 +256,20 @@ def supervise(settings: Settings, command: Sequence[str] | None = None) -> int:
             log.info("%s %d (pid %d) on %s%s", "engine" if settings.frontends else "replica", i, children[-1].pid,
                      devices or device, "" if settings.frontends else f", gRPC port {port}, REST port {http_port}")
         for j in range(frontends):
-            env = child_environment(settings, Role(FRONTEND, run_dir, f"frontend-{j}", tuple(sockets)), "cpu", "", port,
-                                    http_port=http_port)
+            name = f"frontend-{j}"
+            # A native front end's partner serves gRPC on a private socket; the native one holds the public port.
+            partner = os.path.join(run_dir, f"{name}.sock") if native is not None else ""
+            env = child_environment(settings, Role(FRONTEND, run_dir, name, tuple(sockets), partner_socket=partner),
+                                    "cpu", "", port, http_port=http_port)
             env["CUDA_VISIBLE_DEVICES"] = ""  # a front end never touches a GPU: it terminates RPCs, talks to engines
             children.append(subprocess.Popen(command, env=env))
-            log.info("front end %d (pid %d), gRPC port %d, REST port %d", j, children[-1].pid, port, http_port)
+            if native is None:
+                log.info("front end %d (pid %d), gRPC port %d, REST port %d", j, children[-1].pid, port, http_port)
+                continue
+            children.append(subprocess.Popen(
+                native_frontends.command(native, settings, name, sockets, partner, port, token_digests)))
+            log.info("front end %d: native (pid %d) on gRPC port %d, its Python partner (pid %d) on unix:%s and REST "
+                     "port %d", j, children[-1].pid, port, children[-2].pid, partner, http_port)
 
         stop_by: list[float] = []  # when children still running after a stop began are killed
 
