@@ -7,6 +7,7 @@ from __future__ import annotations
 import hashlib
 import os
 import stat
+from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
@@ -113,7 +114,7 @@ def test_token_digests_are_written_privately_and_a_bad_token_file_stops_the_star
     run_dir.mkdir()
     path = native.write_token_digests(settings, str(run_dir))
     assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
-    assert open(path).read().split() == [hashlib.sha256(t).hexdigest() for t in
+    assert Path(path).read_text().split() == [hashlib.sha256(t).hexdigest() for t in
                                           (b"old-token-0123456789abcdef", b"new-token-0123456789abcdef")]
     assert native.write_token_digests(Settings(), str(run_dir)) is None
     (tmp_path / "short").write_text("short\n")

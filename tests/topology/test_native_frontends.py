@@ -1,0 +1,118 @@
+"""The whole server with native front ends (--frontends N --frontend-impl native): the C++ front ends hold the
+public port and answer plain ModelInfer requests against the engine; every other call (shared memory, streams,
+bad requests, the control RPCs) is answered by their Python partners, which also account for what the native
+ones served. Skipped, with the reason, where the native front end cannot be built (server/native/build.py)."""
+
+from __future__ import annotations
+
+import re
+import signal
+import uuid
+
+import grpc
+import numpy as np
+import pytest
+import torch
+
+from voxserve.client import Client, InferenceError, SharedMemoryBuffer, build_request
+from voxserve.client.security import Credentials
+from voxserve.kernels import reference_float64, reference_weights
+from voxserve.proto import pb
+from voxserve.server.core.model import relative_error
+
+from ..conftest import serve_process
+from ..e2e.test_lifecycle import _metric, _wait_for
+
+pytestmark = pytest.mark.native
+W, B = reference_weights()
+MiB = 1 << 20
+STREAM = "/inference.GRPCInferenceService/ModelStreamInfer"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def native_binary():
+    from voxserve.server.native import build
+
+    problem = build.problem()
+    if problem is not None:
+        pytest.skip(f"the native front end cannot be built here: {problem}")
+
+
+def _ref(x: np.ndarray) -> torch.Tensor:
+    return reference_float64(torch.from_numpy(x), W, B)
+
+
+def _ready(srv) -> None:
+    _wait_for(lambda: _metric(srv.metrics_port, "voxserve_model_ready") == 1.0, 240, "engine and front ends ready")
+    with Client(srv.url, timeout_s=30) as probe:  # the native front ends listen once their engine has answered
+        _wait_for(probe.is_ready, 60, "the public port answering")
+
+
+def test_native_front_ends_serve_every_call_kind_behind_one_port(tmp_path):
+    rng = np.random.default_rng()
+    with serve_process(tmp_path / "server.log", "--device", "cpu", "--frontends", "2", "--frontend-impl", "native",
+                       "--frontend-arena-bytes", str(MiB), "--grace-period-s", "20") as srv:
+        _ready(srv)
+        clients = [Client(srv.url, timeout_s=60) for _ in range(12)]  # 12 connections: the kernel spreads them
+        x = rng.standard_normal((2, 3, 5, 6, 7), dtype=np.float32)
+        for c in clients:  # the native path
+            assert relative_error(torch.from_numpy(c.infer(x)), _ref(x)) <= 1e-5
+            for datatype in ("FP16", "BF16"):
+                y = c.infer(x, datatype)
+                assert relative_error(torch.from_numpy(y), _ref(x)) <= (2e-3 if datatype == "FP16" else 2e-2)
+        # A bad request is the partner's to refuse, in its words.
+        with pytest.raises(InferenceError) as err:
+            clients[1].infer(rng.standard_normal((1, 4, 5, 5, 5), dtype=np.float32))
+        assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT
+        assert "the model expects Cin=3" in err.value.message
+        # Shared memory: handed to the partner, which reads the segment and answers.
+        with SharedMemoryBuffer(f"vox_nat_{uuid.uuid4().hex[:8]}", x.nbytes) as seg:
+            seg.write(x.view(np.uint8).reshape(-1))
+            clients[0].register_system_shared_memory("nat_in", seg.key, x.nbytes)
+            for c in clients:
+                y = c.infer_shared_memory(x.shape, "nat_in")
+                assert relative_error(torch.from_numpy(y), _ref(x)) <= 1e-5
+            clients[3].unregister_system_shared_memory("nat_in")
+        # A stream: through the native front end to a partner, both ways.
+        with grpc.insecure_channel(srv.url) as channel:
+            stream = channel.stream_stream(STREAM)
+            bodies = [build_request(x, "voxnet", "FP32", request_id=f"s{i}").SerializeToString() for i in range(5)]
+            answers = [pb.ModelStreamInferResponse.FromString(raw) for raw in stream(iter(bodies), timeout=60)]
+        assert [a.infer_response.id for a in answers] == [f"s{i}" for i in range(5)]
+        assert all(not a.error_message for a in answers)
+        assert clients[5].server_metadata().name == "voxserve"
+        # What the native front ends served is in the statistics and metrics, with the partners' own.
+        expected = 2 * 3 * len(clients) + 2 * len(clients) + 2 * 5
+
+        def published() -> bool:
+            return clients[2].model_statistics().inference_count == expected
+
+        _wait_for(published, 20, "every process's statistics")
+        _wait_for(lambda: _metric(srv.metrics_port, "voxserve_samples_total") == expected, 20, "the samples metric")
+        for c in clients:
+            c.close()
+        srv.proc.send_signal(signal.SIGTERM)
+        assert srv.proc.wait(timeout=60) == 0
+    text = srv.log
+    assert text.count("(front end of 1 engine(s))") == 2 and text.count(": native (pid") == 2
+
+
+def test_native_front_ends_check_the_token_on_every_path(tmp_path):
+    token = "token-" + uuid.uuid4().hex
+    (tmp_path / "tokens").write_text(token + "\n")
+    with serve_process(tmp_path / "server.log", "--device", "cpu", "--frontends", "1", "--frontend-impl", "native",
+                       "--auth-token-file", str(tmp_path / "tokens"), "--open-health") as srv:
+        _ready(srv)
+        x = np.random.default_rng().standard_normal((1, 3, 4, 4, 4), dtype=np.float32)
+        with Client(srv.url, credentials=Credentials(token=token)) as good:
+            assert relative_error(torch.from_numpy(good.infer(x)), _ref(x)) <= 1e-5  # the native path
+            assert good.server_metadata().name == "voxserve"  # the partner's
+        for credentials in (None, Credentials(token="wrong-" + uuid.uuid4().hex)):
+            with Client(srv.url, credentials=credentials) as bad:
+                for call in (lambda c: c.infer(x), lambda c: c.server_metadata()):
+                    with pytest.raises(InferenceError) as err:
+                        call(bad)
+                    assert err.value.code == grpc.StatusCode.UNAUTHENTICATED
+        srv.proc.send_signal(signal.SIGTERM)
+        assert srv.proc.wait(timeout=60) == 0
+    assert not re.search(r"Traceback", srv.log)
