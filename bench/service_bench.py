@@ -209,6 +209,42 @@ def triton_rows(args, out: dict[str, list[LevelResult]], full: np.ndarray, notes
                      "are below")
 
 
+def frontend_configurations(args) -> list[tuple[str, list[str]]]:
+    """The front-end configurations asked for: (rows' name, `voxserve serve` flags)."""
+    configurations = []
+    if args.frontends:
+        configurations.append((f"voxserve --frontends {args.frontends}", ["--frontends", str(args.frontends)]))
+    if args.native_frontends:
+        configurations.append((f"voxserve --frontends {args.native_frontends}, native",
+                               ["--frontends", str(args.native_frontends), "--frontend-impl", "native"]))
+    return configurations
+
+
+def frontend_rows(args, out: dict[str, list[LevelResult]], serve: list[str], fe: str, flags: list[str],
+                  payloads: tuple, notes: list[str]) -> None:
+    """The rows of voxserve with front ends (``flags``), named ``fe``, with and without batching."""
+    full, fp32, fp16, single, n32, n16, n1 = payloads
+    d, load = args.duration, (args.processes, args.connections)
+    spread = max(4, int(flags[1]))  # connections, so that every front end gets some
+    with ServerProcess([*serve, *flags]) as vox:
+        for c in args.full_concurrency:
+            out["full"].append(level(vox.url, fp32, args.batch, n32, c, fe, d, 1, spread))
+        for c in args.full_concurrency:
+            out["fp16"].append(level(vox.url, fp16, args.batch, n16, c, fe, d, 1, spread))
+        payload, cleanup = setup_shared_memory(vox.url, full, "FP32", "voxnet")
+        try:
+            for c in args.full_concurrency:
+                out["shm"].append(level(vox.url, payload, args.batch, n32, c, fe, d, 1, spread))
+        finally:
+            cleanup()
+        out["batch1"].append(level(vox.url, single, 1, n1, 64, fe, d, *load))
+        rest_rows(args, out, f"127.0.0.1:{vox.http_port}", full, fe, full_json=False)
+        if args.device != "cpu":  # the engines map the regions
+            cuda_rows(args, out, vox.url, full, notes, fe, connections=spread)
+    with ServerProcess([*serve, *flags, "--no-batching"]) as vox:
+        out["batch1"].append(level(vox.url, single, 1, n1, 64, f"{fe}, no batching", d, *load))
+
+
 def run(args, notes: list[str], checkpoint: Callable[[dict[str, list[LevelResult]]], None]
         ) -> dict[str, list[LevelResult]]:
     """Every server's rows, one server at a time; ``checkpoint`` gets the rows so far after each."""
@@ -219,6 +255,7 @@ def run(args, notes: list[str], checkpoint: Callable[[dict[str, list[LevelResult
     fp16 = build_request(full, "voxnet", "FP16").SerializeToString()
     single = build_request(one, "voxnet", "FP32").SerializeToString()
     n32, n16, n1 = full.nbytes, len(to_wire(full, "FP16")), one.nbytes
+    payloads = (full, fp32, fp16, single, n32, n16, n1)
     d = args.duration
     load = (args.processes, args.connections)  # the batch-1 client, the same for every server
     out: dict[str, list[LevelResult]] = {"full": [], "fp16": [], "shm": [], "cuda_shm": [], "batch1": [],
@@ -247,26 +284,8 @@ def run(args, notes: list[str], checkpoint: Callable[[dict[str, list[LevelResult
     with ServerProcess([*serve, "--no-batching"]) as vox:
         out["batch1"].append(level(vox.url, single, 1, n1, 64, "voxserve, no batching", d, *load))
     checkpoint(out)
-    if args.frontends:
-        fe = f"voxserve --frontends {args.frontends}"
-        spread = max(4, args.frontends)  # connections, so that every front end gets some
-        with ServerProcess([*serve, "--frontends", str(args.frontends)]) as vox:
-            for c in args.full_concurrency:
-                out["full"].append(level(vox.url, fp32, args.batch, n32, c, fe, d, 1, spread))
-            for c in args.full_concurrency:
-                out["fp16"].append(level(vox.url, fp16, args.batch, n16, c, fe, d, 1, spread))
-            payload, cleanup = setup_shared_memory(vox.url, full, "FP32", "voxnet")
-            try:
-                for c in args.full_concurrency:
-                    out["shm"].append(level(vox.url, payload, args.batch, n32, c, fe, d, 1, spread))
-            finally:
-                cleanup()
-            out["batch1"].append(level(vox.url, single, 1, n1, 64, fe, d, *load))
-            rest_rows(args, out, f"127.0.0.1:{vox.http_port}", full, fe, full_json=False)
-            if args.device != "cpu":  # the engines map the regions
-                cuda_rows(args, out, vox.url, full, notes, fe, connections=spread)
-        with ServerProcess([*serve, "--frontends", str(args.frontends), "--no-batching"]) as vox:
-            out["batch1"].append(level(vox.url, single, 1, n1, 64, f"{fe}, no batching", d, *load))
+    for name, flags in frontend_configurations(args):
+        frontend_rows(args, out, serve, name, flags, payloads, notes)
         checkpoint(out)
     if args.triton:
         triton_rows(args, out, full, notes, checkpoint)
@@ -343,14 +362,20 @@ def render(args, out: dict[str, list[LevelResult]], device: str, seconds: float,
     target("shared memory vs raw gRPC ceiling, samples/s", ratio(_best(out["shm"], "voxserve"), raw), 5.0,
            ">= 5x (GPU box)")
     b1 = {r.target: r for r in out["batch1"]}
-    fe = f"voxserve --frontends {args.frontends}"
-    for server in ["voxserve", *([fe] if args.frontends else [])]:
+    fronts = [name for name, _ in frontend_configurations(args)]
+    for server in ["voxserve", *fronts]:
         on, off = b1.get(server), b1.get(f"{server}, no batching")
         if on and off:
             target(f"batch 1, c=64, `{server}`: batching vs none", ratio(on, off), 4.0, ">= 4x, p99 stated",
                    f"{on.rps:.0f} vs {off.rps:.0f} req/s; p99 {on.percentile(99):.0f} vs {off.percentile(99):.0f} ms")
-    voxserve_targets = ("voxserve", fe) if args.frontends else ("voxserve",)
+    voxserve_targets = ("voxserve", *fronts)
     best_full, best_1 = best("full", voxserve_targets), best("batch1", voxserve_targets)
+    inproc_1, front_1 = b1.get("voxserve"), best("batch1", tuple(fronts))
+    target("batch 1 at c=64, in process", inproc_1.rps if inproc_1 else None, 4000, ">= 4,000 req/s",
+           f"p99 {inproc_1.percentile(99):.1f} ms" if inproc_1 else "", unit="req/s")
+    target("batch 1 at c=64, through front ends", front_1.rps if front_1 else None, 16000,
+           ">= 16,000 req/s (goal p99 <= 10 ms)", f"{front_1.target}, p99 {front_1.percentile(99):.1f} ms" if front_1 else "",
+           unit="req/s")
     target("vs MLServer (eager PyTorch), full batch", ratio(best_full, _best(out["full"], "MLServer")), 2.0, ">= 2x")
     target("vs MLServer, batch 1 at c=64", ratio(best_1, b1.get("MLServer")), 2.0, ">= 2x")
     shm_best = best("shm", voxserve_targets)
@@ -359,7 +384,7 @@ def render(args, out: dict[str, list[LevelResult]], device: str, seconds: float,
     cuda_best = best("cuda_shm", voxserve_targets)
     target("CUDA shared memory, full batch", cuda_best.rps if cuda_best else None, 5000, ">= 5,000 req/s",
            f"{cuda_best.target}, p99 {cuda_best.percentile(99):.1f} ms" if cuda_best else "", unit="req/s")
-    for server, where in (("voxserve", "in process"), *([(fe, "through front ends")] if args.frontends else [])):
+    for server, where in (("voxserve", "in process"), *((fe, f"`{fe}`") for fe in fronts)):
         cuda_1, wire_1 = _best(out["cuda_shm_batch1"], server), b1.get(server)
         target(f"batch 1 at c=64: CUDA shared memory vs the wire, {where}", ratio(cuda_1, wire_1), 3.0, ">= 3x",
                f"{cuda_1.rps:.0f} vs {wire_1.rps:.0f} req/s" if cuda_1 and wire_1 else "")
@@ -382,6 +407,8 @@ def main() -> int:
     parser.add_argument("--mlserver-pythonpath", default=None, help="prepend this to PYTHONPATH for MLServer")
     parser.add_argument("--frontends", type=int, default=0,
                         help="also run voxserve with --frontends N (its own rows in every table)")
+    parser.add_argument("--native-frontends", type=int, default=0,
+                        help="also run voxserve with --frontends N --frontend-impl native (rows of their own)")
     parser.add_argument("--processes", type=int, default=1, help="load processes of the batch-1 client")
     parser.add_argument("--connections", type=int, default=1, help="connections of the batch-1 client")
     parser.add_argument("--triton", nargs="?", const="auto", default=None, metavar="WHEEL",

@@ -34,7 +34,7 @@ def _targets(text: str) -> dict[str, tuple[str, str]]:
 
 
 def test_the_report_says_which_targets_the_rows_meet(service_bench):
-    args = argparse.Namespace(batch=128, duration=3.0, frontends=0)
+    args = argparse.Namespace(batch=128, duration=3.0, frontends=0, native_frontends=0)
     out = {key: [] for key in ("full", "fp16", "shm", "cuda_shm", "batch1", "cuda_shm_batch1", "rest_full",
                                "rest_batch1")}
     out["full"] += [_row("raw sink", 100, 128, 1), _row("voxserve", 95, 128, 1), _row("Triton", 50, 128, 1)]
@@ -62,16 +62,19 @@ def test_the_report_says_which_targets_the_rows_meet(service_bench):
 def test_the_shared_memory_targets_take_the_front_ends_rows_too(service_bench):
     """With --frontends, the best of the one-process and the front-end rows meets a shared-memory goal, and the batch-1
     ratio of CUDA shared memory to the wire is stated for each topology."""
-    args = argparse.Namespace(batch=128, duration=3.0, frontends=12)
+    args = argparse.Namespace(batch=128, duration=3.0, frontends=12, native_frontends=12)
     fe = "voxserve --frontends 12"
     out = {key: [] for key in ("full", "fp16", "shm", "cuda_shm", "batch1", "cuda_shm_batch1", "rest_full",
                                "rest_batch1")}
     out["cuda_shm"] += [_row("voxserve", 1000, 128, 16), _row(fe, 2900, 128, 16)]
-    out["batch1"] += [_row("voxserve", 1600, 1, 64), _row(fe, 10000, 1, 64)]
+    out["batch1"] += [_row("voxserve", 1600, 1, 64), _row(fe, 10000, 1, 64), _row(f"{fe}, native", 17000, 1, 64)]
     out["cuda_shm_batch1"] += [_row("voxserve", 1500, 1, 64), _row(fe, 8000, 1, 64)]
     targets = _targets(service_bench.render(args, out, "test GPU", 10.0, []))
     assert targets["CUDA shared memory, full batch"] == (f"2,900 req/s ({fe}, p99 3.0 ms)", "missed")
     assert targets["batch 1 at c=64: CUDA shared memory vs the wire, in process"] == (
         "0.94x (1500 vs 1600 req/s)", "missed")
-    assert targets["batch 1 at c=64: CUDA shared memory vs the wire, through front ends"] == (
+    assert targets[f"batch 1 at c=64: CUDA shared memory vs the wire, `{fe}`"] == (
         "0.80x (8000 vs 10000 req/s)", "missed")
+    assert targets[f"batch 1 at c=64: CUDA shared memory vs the wire, `{fe}, native`"] == ("-", "not measured")
+    assert targets["batch 1 at c=64, in process"] == ("1,600 req/s (p99 3.0 ms)", "missed")
+    assert targets["batch 1 at c=64, through front ends"] == (f"17,000 req/s ({fe}, native, p99 3.0 ms)", "met")
