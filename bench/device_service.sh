@@ -7,6 +7,8 @@
 #   Triton:   .triton/ holding the nvidia-pytriton 0.7.0 wheel (55 MB), or, to travel beside .mls/ within one
 #             call's 64 MiB, its server parts for Python 3.12 (27 MB):
 #             python bench/triton_peer/server.py pack nvidia_pytriton-0.7.0-*.whl .triton/tritonserver-py3.12.zip --python 3.12
+#   Native front ends: .native/ from bench/native_carry.sh (the binary and the libraries it needs beyond the
+#             device's image); NATIVE_FRONTENDS=N (default: FRONTENDS) adds the rows of --frontend-impl native.
 # Writes $OUT/service-<device>.md and $OUT/service.log. The whole run stays within LIMIT_S (590) seconds.
 set -uo pipefail
 OUT=${OUT:-$PWD/device-out}
@@ -25,10 +27,16 @@ triton=$({ compgen -G ".triton/*.zip"; compgen -G ".triton/*.whl"; } | head -1)
 if [ "${TESTS:-1}" != 0 ]; then
   timeout 300 python3 -m pytest -q tests/core/test_pipeline_gpu.py tests/topology/test_frontends.py 2>&1 | tail -3
 fi
+NATIVE=()
+if [ -x .native/voxserve-frontend ]; then
+  export VOXSERVE_NATIVE_FRONTEND=$PWD/.native/voxserve-frontend LD_LIBRARY_PATH=$PWD/.native/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+  if ldd .native/voxserve-frontend | grep "not found"; then echo "native front end: libraries missing (above)"
+  else NATIVE=(--native-frontends "${NATIVE_FRONTENDS:-${FRONTENDS:-6}}"); fi
+fi
 name=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | tr 'A-Z ' 'a-z-')
 left=$(( ${LIMIT_S:-590} - SECONDS ))
-echo "service_bench: ${left} s left; MLServer: ${MLS[*]:-not run}; Triton: ${TRITON[*]:-not carried}"
+echo "service_bench: ${left} s left; MLServer: ${MLS[*]:-not run}; Triton: ${TRITON[*]:-not carried}; native: ${NATIVE[*]:-not carried}"
 PYTHONUNBUFFERED=1 timeout "$left" python3 bench/service_bench.py --frontends "${FRONTENDS:-6}" --processes 8 \
   --connections 16 --full-concurrency "${FULL_CONCURRENCY:-1,4,16}" --duration "${DURATION:-5}" "${MLS[@]}" \
-  "${TRITON[@]}" --out "$OUT/service-$name.md" > /dev/null
+  "${TRITON[@]}" "${NATIVE[@]}" --out "$OUT/service-$name.md" > /dev/null
 tail -20 "$OUT/service-$name.md"
