@@ -44,6 +44,9 @@ HZ = os.sysconf("SC_CLK_TCK")
 def role(pid: int, root: int) -> str:
     if pid == root:
         return "server"  # the in-process server, or the supervisor of several
+    argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
+    if argv[0].endswith("voxserve-frontend"):  # a native front end (--frontend-impl native), named by --name
+        return "native " + (argv[argv.index("--name") + 1] if "--name" in argv[:-1] else "?")
     env = dict(kv.split("=", 1) for kv in Path(f"/proc/{pid}/environ").read_text().split("\0") if "=" in kv)
     kind, index = env.get("VOXSERVE_ROLE", "replica"), env.get("VOXSERVE_REPLICA_INDEX", "?")
     return index if index.startswith(kind) else f"{kind}-{index}"

@@ -159,14 +159,14 @@ class Metrics:
         if self.gpu_collector is not None:
             r.register(self.gpu_collector)
 
-    def count_request(self, code: str, served: bool = True) -> None:
-        """voxserve_requests{model, code} += 1; ``served=False``: the request named a model (or version) not served
-        here, counted as model="unknown" (one label value, however many names clients make up)."""
+    def count_request(self, code: str, served: bool = True, requests: int = 1) -> None:
+        """voxserve_requests{model, code} += ``requests`` (1); ``served=False``: the request named a model (or version)
+        not served here, counted as model="unknown" (one label value, however many names clients make up)."""
         key = code if served else "unknown " + code
         series = self._requests_by_code.get(key)
         if series is None:
             series = self._requests_by_code[key] = self.requests.labels(self.model if served else UNKNOWN_MODEL, code)
-        series.inc()
+        series.inc(requests)
 
     def set_build(self, device: str, kernel: str) -> None:
         self.build_info.labels(__version__, device, kernel).set(1)

@@ -23,8 +23,9 @@ class Duration:
     count: int = 0
     ns: int = 0
 
-    def add(self, ns: int) -> None:
-        self.count += 1
+    def add(self, ns: int, count: int = 1) -> None:
+        """``count`` more, taking ``ns`` in all."""
+        self.count += count
         self.ns += ns
 
 
@@ -118,16 +119,18 @@ class ModelStats:
             b.compute_infer.add(infer_ns)
             b.compute_output.add(output_ns)
 
-    def record_success(self, samples: int, duration_ns: int, queue_ns: int) -> None:
+    def record_success(self, samples: int, duration_ns: int, queue_ns: int, requests: int = 1) -> None:
+        """``requests`` successful requests (one by default) of ``samples`` in all, taking ``duration_ns`` and
+        ``queue_ns`` in all."""
         with self._lock:
             self._inference_count += samples
             self._last_inference_ms = time.time_ns() // 1_000_000
-            self._success.add(duration_ns)
-            self._queue.add(queue_ns)
+            self._success.add(duration_ns, requests)
+            self._queue.add(queue_ns, requests)
 
-    def record_failure(self, duration_ns: int) -> None:
+    def record_failure(self, duration_ns: int, requests: int = 1) -> None:
         with self._lock:
-            self._fail.add(duration_ns)
+            self._fail.add(duration_ns, requests)
 
     def snapshot(self) -> StatsSnapshot:
         with self._lock:

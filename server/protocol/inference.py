@@ -391,21 +391,26 @@ class InferenceService:
             if served:
                 m.request_duration.observe((ended - arrived) / 1e9)
 
-    def account(self, code: Status, elapsed_ns: int, queue_ns: int, samples: int, input_bytes: int,
-                served: bool = True) -> None:
-        """Count one request another process answered as this one counts its own (a native front end's: partner.py):
-        voxserve_requests_total, its duration, samples and wire bytes, and ModelStatistics."""
-        m = self.metrics.series
-        if code is Status.OK:
-            self.state.stats.record_success(samples, elapsed_ns, queue_ns)
-            m.samples.inc(samples)
-        else:
-            self.state.stats.record_failure(elapsed_ns)
-        if input_bytes:
-            m.input_bytes["wire"].inc(input_bytes)
-        self.metrics.count_request(code.name, served)
-        if served:
-            m.request_duration.observe(elapsed_ns / 1e9)
+    def account(self, codes: np.ndarray, served: np.ndarray, elapsed_ns: np.ndarray, queue_ns: np.ndarray,
+                samples: np.ndarray, input_bytes: np.ndarray) -> None:
+        """Count requests another process answered (a native front end's: partner.py) as this one counts its own:
+        voxserve_requests_total by code, their durations, samples and wire bytes, and ModelStatistics. One array
+        element per request: its gRPC status code, whether it named the served model, nanoseconds from arrival to
+        the end and in the queue, samples and input bytes."""
+        m, stats = self.metrics.series, self.state.stats
+        ok = codes == Status.OK.value
+        if ok.any():
+            stats.record_success(int(samples[ok].sum()), int(elapsed_ns[ok].sum()), int(queue_ns[ok].sum()),
+                                 int(ok.sum()))
+            m.samples.inc(int(samples[ok].sum()))
+        if not ok.all():
+            stats.record_failure(int(elapsed_ns[~ok].sum()), int((~ok).sum()))
+        if input_bytes.any():
+            m.input_bytes["wire"].inc(int(input_bytes.sum()))
+        for (code, named), n in collections.Counter(zip(codes.tolist(), served.tolist(), strict=True)).items():
+            self.metrics.count_request(Status.of(code).name, bool(named), n)
+        for seconds in (elapsed_ns[served != 0] / 1e9).tolist():  # (a histogram takes its observations one by one)
+            m.request_duration.observe(seconds)
 
     def _observe(self, call, method: str, parsed: InferRequest | MalformedRequest | None, code: Status, error: str,
                  decoded: codec.InferInput | None, result: BatchResult | None,

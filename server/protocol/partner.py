@@ -13,7 +13,6 @@ from __future__ import annotations
 import grpc
 import numpy as np
 
-from ..core.errors import Status
 from .inference import HttpCall, InferenceService
 
 REPORT_SERVICE = "voxserve.internal.FrontendReport"
@@ -59,11 +58,9 @@ class Reports:
             raise ValueError(f"a report announcing {count} records and {inflight} calls in progress has {len(body)} "
                              f"bytes, not {REPORT_HEADER.itemsize + count * RECORD.itemsize}")
         records = np.frombuffer(body, RECORD, count, REPORT_HEADER.itemsize)
-        for code, served, elapsed_ns, queue_ns, samples, nbytes in zip(
-                records["code"].tolist(), records["served"].tolist(), records["elapsed_ns"].tolist(),
-                records["queue_ns"].tolist(), records["samples"].tolist(), records["input_bytes"].tolist(),
-                strict=True):
-            self.service.account(Status.of(code), elapsed_ns, queue_ns, samples, nbytes, bool(served))
+        if count:
+            self.service.account(records["code"], records["served"], records["elapsed_ns"], records["queue_ns"],
+                                 records["samples"], records["input_bytes"])
         self.service.metrics.series.inflight.inc(inflight - self.inflight)
         self.inflight = inflight
         return count
