@@ -20,6 +20,7 @@ from voxserve.kernels import reference_float64, reference_weights
 from voxserve.proto import pb
 from voxserve.server.core.model import relative_error
 
+from ..certs import CertificateAuthority
 from ..conftest import serve_process
 from ..e2e.test_lifecycle import _metric, _wait_for
 
@@ -116,3 +117,28 @@ def test_native_front_ends_check_the_token_on_every_path(tmp_path):
         srv.proc.send_signal(signal.SIGTERM)
         assert srv.proc.wait(timeout=60) == 0
     assert not re.search(r"Traceback", srv.log)
+
+
+def test_native_front_ends_terminate_mutual_tls(tmp_path):
+    ca = CertificateAuthority(tmp_path, "native")
+    server, client = ca.issue("server", server=True), ca.issue("client", server=False)
+    with serve_process(tmp_path / "server.log", "--device", "cpu", "--frontends", "1", "--frontend-impl", "native",
+                       "--tls-cert", str(server.cert), "--tls-key", str(server.key), "--tls-client-ca",
+                       str(ca.path)) as srv:
+        _wait_for(lambda: _metric(srv.metrics_port, "voxserve_model_ready") == 1.0, 240, "engine and front end ready")
+        url = f"localhost:{srv.grpc_port}"
+        good = Credentials.from_files(ca_file=str(ca.path), cert_file=str(client.cert), key_file=str(client.key))
+        with Client(url, credentials=good, timeout_s=30) as c:
+            _wait_for(c.is_ready, 60, "the public port answering")
+            x = np.random.default_rng().standard_normal((2, 3, 4, 5, 6), dtype=np.float32)
+            assert relative_error(torch.from_numpy(c.infer(x)), _ref(x)) <= 1e-5  # the native path
+            assert c.server_metadata().name == "voxserve"  # the partner's, through the native front end
+        # Without a client certificate, or in plaintext: no connection, on either path.
+        for credentials in (Credentials.from_files(ca_file=str(ca.path)), Credentials()):
+            with Client(url, credentials=credentials, timeout_s=5) as c:
+                with pytest.raises(InferenceError) as err:
+                    c.infer(x)
+                assert err.value.code == grpc.StatusCode.UNAVAILABLE
+                assert not c.is_ready()
+        srv.proc.send_signal(signal.SIGTERM)
+        assert srv.proc.wait(timeout=60) == 0
