@@ -14,11 +14,12 @@ import numpy as np
 import pytest
 import torch
 
-from voxserve.client import Client, InferenceError, SharedMemoryBuffer, build_request
+from voxserve.client import Client, InferenceError, SharedMemoryBuffer, build_request, parse_response
 from voxserve.client.security import Credentials
 from voxserve.kernels import reference_float64, reference_weights
 from voxserve.proto import pb
 from voxserve.server.core.model import relative_error
+from voxserve.testing.fuzz import ALLOWED_CODES, Mutator, seed_requests
 
 from ..certs import CertificateAuthority
 from ..conftest import serve_process
@@ -142,3 +143,40 @@ def test_native_front_ends_terminate_mutual_tls(tmp_path):
                 assert not c.is_ready()
         srv.proc.send_signal(signal.SIGTERM)
         assert srv.proc.wait(timeout=60) == 0
+
+
+def test_mutated_requests_get_the_python_front_ends_answers_through_native_ones(tmp_path, server):
+    """The native fast path takes only what the Python path would serve and hands it everything else: the same
+    mutated bodies get the same status code and message from native front ends as from a Python server (``server``,
+    the same model in one process), and the same outputs where both answer OK."""
+    mutator = Mutator(seed_requests(), seed=int(np.random.SeedSequence().entropy % 2**32), byte_level=0.5)
+    bodies = [mutator.next() for _ in range(300)]
+
+    def answers(url: str) -> list[tuple[grpc.StatusCode, str, np.ndarray | None]]:
+        out = []
+        with grpc.insecure_channel(url) as channel:
+            infer = channel.unary_unary("/inference.GRPCInferenceService/ModelInfer")
+            for body in bodies:
+                try:
+                    response = pb.ModelInferResponse.FromString(infer(body, timeout=60))
+                    out.append((grpc.StatusCode.OK, "", parse_response(response)))
+                except grpc.RpcError as exc:
+                    out.append((exc.code(), exc.details() or "", None))
+        return out
+
+    expected = answers(server.url)
+    with serve_process(tmp_path / "server.log", "--device", "cpu", "--frontends", "1", "--frontend-impl",
+                       "native") as srv:
+        _ready(srv)
+        got = answers(srv.url)
+        with Client(srv.url, timeout_s=30) as c:  # and it still serves
+            x = np.random.default_rng().standard_normal((1, 3, 4, 4, 4), dtype=np.float32)
+            assert relative_error(torch.from_numpy(c.infer(x)), _ref(x)) <= 1e-5
+    assert {code for code, _, _ in got} <= ALLOWED_CODES
+    served = 0
+    for (code, message, y), (want_code, want_message, want_y), body in zip(got, expected, bodies, strict=True):
+        assert (code, message) == (want_code, want_message), body.hex()[:200]
+        if y is not None:
+            served += 1
+            assert y.shape == want_y.shape and np.allclose(y, want_y, rtol=1e-5, atol=1e-7, equal_nan=True)
+    assert served > 0  # the fast path took some
