@@ -1,0 +1,700 @@
+"""voxserve-frontend, the native front end (server/native/): the binary itself, against a real engine (that of a
+`voxserve serve --frontends 1 --device cpu`, whose Python front end answers the same requests for comparison) and
+against scripted engines (tests/native/harness.py), with a partner of the test's own standing in for the Python
+front end on its Unix socket. Skipped, with the build's reason, where the binary cannot be built."""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import shutil
+import socket
+import subprocess
+import tempfile
+import threading
+import time
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+import torch
+
+from voxserve.client import build_request, parse_response
+from voxserve.kernels import reference_float64, reference_weights
+from voxserve.proto import pb
+from voxserve.server.core.model import relative_error
+from voxserve.server.native import build
+from voxserve.server.topology import ipc
+from voxserve.testing.load import ServerProcess
+
+from ..certs import CertificateAuthority
+from .harness import HOLD, INFER, REPORT, SERVER_LIVE, STREAM_INFER, WATCH, FakeEngine, Native, Partner, wait_for
+
+OK, CANCELLED, INVALID_ARGUMENT, DEADLINE_EXCEEDED = 0, 1, 3, 4
+RESOURCE_EXHAUSTED, UNAVAILABLE, UNAUTHENTICATED = 8, 14, 16
+DENIED = "missing or invalid credentials: send 'authorization: Bearer <token>' metadata"
+
+
+@pytest.fixture(scope="module")
+def binary() -> Path:
+    problem = build.problem()
+    if problem is not None:
+        pytest.skip(f"voxserve-frontend cannot be built here: {problem}")
+    return build.build()
+
+
+@pytest.fixture
+def sock_dir() -> Iterator[Path]:
+    """A short directory for Unix sockets (their paths are limited to 107 bytes; pytest's tmp_path can be longer)."""
+    path = Path(tempfile.mkdtemp(prefix="vxn-", dir="/tmp"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture
+def partner(sock_dir: Path) -> Iterator[Partner]:
+    p = Partner(sock_dir / "partner.sock")
+    yield p
+    p.stop()
+
+
+@pytest.fixture
+def engine(sock_dir: Path) -> Iterator[FakeEngine]:
+    e = FakeEngine(sock_dir / "engine.sock")
+    yield e
+    e.close()
+
+
+@pytest.fixture(scope="module")
+def real() -> Iterator[tuple[ServerProcess, str]]:
+    """A ready `voxserve serve --frontends 1 --device cpu` and its engine's socket (from the engine process's
+    environment, as bench/probes/native_frontend/compare.py finds it)."""
+    with ServerProcess(["--frontends", "1", "--device", "cpu"]) as server:
+        sockets = []
+        for pid in server.pids():
+            with contextlib.suppress(OSError):
+                env = dict(kv.split("=", 1) for kv in Path(f"/proc/{pid}/environ").read_text().split("\0") if "=" in kv)
+                if env.get("VOXSERVE_ROLE") == "engine":
+                    sockets.append(env["VOXSERVE_ENGINE_SOCKET"])
+        assert len(sockets) == 1, sockets
+        yield server, sockets[0]
+
+
+@contextlib.contextmanager
+def native(binary: Path, engines, partner: Partner | Path, *flags: str, name: str = "native") -> Iterator[Native]:
+    path = partner.path if isinstance(partner, Partner) else partner
+    fe = Native(binary, list(engines), path, path.parent / f"{name}.log", *flags)
+    try:
+        yield fe
+    finally:
+        fe.kill()
+        print(fe.log())
+
+
+def infer(url: str, payload: bytes, timeout: float | None = 30, metadata=None, credentials=None):
+    """(code number, details, response bytes or None, initial metadata, trailing metadata) of one ModelInfer."""
+    return unary(url, INFER, payload, timeout, metadata, credentials)
+
+
+def unary(url: str, method: str, payload: bytes, timeout: float | None = 30, metadata=None, credentials=None):
+    options = [("grpc.max_send_message_length", 1 << 27), ("grpc.max_receive_message_length", 1 << 27)]
+    channel = (grpc.secure_channel(url, credentials, options=options) if credentials is not None
+               else grpc.insecure_channel(url, options=options))
+    with channel:
+        try:
+            response, call = channel.unary_unary(method).with_call(payload, timeout=timeout, metadata=metadata)
+            return 0, call.details(), response, dict(call.initial_metadata()), dict(call.trailing_metadata())
+        except grpc.RpcError as exc:
+            return (exc.code().value[0], exc.details(), None, dict(exc.initial_metadata() or ()),
+                    dict(exc.trailing_metadata() or ()))
+
+
+def request(shape=(1, 3, 3, 3, 3), datatype: str = "FP32", request_id: str = "r", seed: int = 0,
+            scale: float = 1.0) -> pb.ModelInferRequest:
+    x = np.random.default_rng(seed).standard_normal(shape, dtype=np.float32) * scale
+    return build_request(x, "voxnet", datatype, request_id=request_id)
+
+
+def typed_request(x: np.ndarray) -> pb.ModelInferRequest:
+    r = pb.ModelInferRequest(model_name="voxnet", id="typed")
+    r.inputs.add(name="input", datatype="FP32", shape=list(x.shape)).contents.fp32_contents.extend(x.ravel().tolist())
+    return r
+
+
+def reports_settled(partner: Partner, count: int):
+    return lambda: len(partner.report_records()) >= count
+
+
+# --- the fast path against the Python front end ----------------------------------------------------------------
+
+
+def test_fast_path_answers_are_the_python_front_ends_to_the_bit(binary, real, partner):
+    server, engine_socket = real
+    rng = np.random.default_rng()
+    cases = []
+    for datatype in ("FP32", "FP16", "BF16"):
+        for shape in ((1, 3, 3, 3, 3), (2, 3, 5, 4, 6), (3, 3, 8, 9, 7)):
+            x = rng.standard_normal(shape, dtype=np.float32) * 3
+            cases.append((x, build_request(x, "voxnet", datatype, request_id=f"{datatype}-{shape[0]}")))
+    x = rng.standard_normal((2, 3, 4, 4, 4), dtype=np.float32)
+    cases.append((x, typed_request(x)))
+    versioned = build_request(x, "voxnet", "FP32")
+    versioned.model_version = "1"
+    versioned.ClearField("outputs")  # no output requested: the same answer
+    cases.append((x, versioned))
+    W, B = reference_weights()
+    with native(binary, [engine_socket], partner) as fe:
+        for x, req in cases:
+            payload = req.SerializeToString()
+            code_a, _, a, _, _ = infer(server.url, payload)
+            code_b, details, b, _, _ = infer(fe.url, payload)
+            assert (code_a, code_b) == (OK, OK), details
+            assert b == a  # the serialised responses, byte for byte
+            response = pb.ModelInferResponse.FromString(b)
+            typed = req.inputs[0].HasField("contents")
+            assert bool(response.raw_output_contents) != typed  # typed answered typed, raw answered raw
+            y = parse_response(response)
+            assert y.shape == (x.shape[0], 16)
+            if req.inputs[0].datatype == "FP32":
+                assert relative_error(torch.from_numpy(y), reference_float64(torch.from_numpy(x), W, B)) <= 1e-5
+        assert partner.received(INFER) == []  # every one on the fast path
+        assert fe.counters()["infer records"] == len(cases)
+
+
+def test_a_non_finite_output_is_the_python_front_ends_invalid_argument(binary, real, partner):
+    server, engine_socket = real
+    x = np.random.default_rng(3).standard_normal((4, 3, 3, 3, 3), dtype=np.float32)
+    x[1, 0, 0, 0, 0] = np.nan
+    x[3, 2, 1, 1, 1] = np.inf
+    payload = build_request(x, "voxnet", "FP32").SerializeToString()
+    with native(binary, [engine_socket], partner) as fe:
+        python = infer(server.url, payload)
+        ours = infer(fe.url, payload)
+    assert python[0] == INVALID_ARGUMENT
+    assert ours[:2] == python[:2]
+    assert "sample 1 (of 4; 2 such)" in ours[1]
+
+
+# --- everything else goes to the partner -----------------------------------------------------------------------
+
+
+def not_fast_path() -> dict[str, bytes]:
+    """ModelInfer requests the fast path must not take, each as its bytes."""
+    def edited(edit) -> bytes:
+        r = request()
+        edit(r)
+        return r.SerializeToString()
+
+    def shm(r):
+        r.inputs[0].parameters["shared_memory_region"].string_param = "region"
+
+    def classification(r):
+        r.outputs[0].parameters["classification"].int64_param = 3
+
+    def rank4(r):
+        del r.inputs[0].shape[:]
+        r.inputs[0].shape.extend([1, 3, 3, 3])
+
+    def fp16_typed(r):
+        r.ClearField("raw_input_contents")
+        r.inputs[0].datatype = "FP16"
+        r.inputs[0].contents.fp32_contents.extend([0.0] * 81)
+
+    return {
+        "a tensor parameter": edited(shm),
+        "an output parameter": edited(classification),
+        "rank 4": edited(rank4),
+        "another model": edited(lambda r: setattr(r, "model_name", "other")),
+        "bytes 4 short": edited(lambda r: r.raw_input_contents.__setitem__(0, r.raw_input_contents[0][:-4])),
+        "FP16 typed": edited(fp16_typed),
+        "an id of 300 bytes": edited(lambda r: setattr(r, "id", "x" * 300)),
+        "1025 samples": edited(lambda r: r.inputs[0].shape.__setitem__(0, 1025)),
+        "not a message": b"\xff\xff\xff",
+    }
+
+
+def test_calls_the_fast_path_does_not_take_reach_the_partner_unchanged(binary, engine, partner):
+    cases = not_fast_path()
+    metadata = (("x-custom", "v1"), ("x-voxserve-peer", "forged"), ("x-blob-bin", b"\x00\x01\xff"))
+    with native(binary, [engine.path], partner) as fe:
+        for name, payload in cases.items():
+            code, details, response, initial, trailing = infer(fe.url, payload, timeout=30, metadata=metadata)
+            assert (code, response) == (OK, b"partner:" + payload), name
+            assert (initial.get("x-initial"), trailing.get("x-trailer")) == ("i1", "t1"), name
+        partner.fail = (grpc.StatusCode.NOT_FOUND, "the partner says no")
+        code, details, _, initial, trailing = infer(fe.url, cases["rank 4"])
+        assert (code, details, initial.get("x-initial"), trailing.get("x-trailer")) == (
+            5, "the partner says no", "i1", "t1")
+        assert engine.infers() == []
+    received = partner.received(INFER)
+    assert [c.messages for c in received] == [[p] for p in cases.values()] + [[cases["rank 4"]]]
+    for c in received[:len(cases)]:
+        assert c.header("x-custom") == ["v1"]
+        assert c.header("x-blob-bin") == [b"\x00\x01\xff"]
+        (peer,) = c.header("x-voxserve-peer")  # the client's own replaced, not added to
+        assert peer.startswith("ipv4:127.0.0.1:")
+        # (gRPC rounds a timeout up to the units it sends it in, at each hop)
+        assert c.time_remaining is not None and 0 < c.time_remaining <= 31
+    assert partner.report_records() == []  # the partner counts what it answers itself
+
+
+def test_a_call_without_a_deadline_reaches_the_partner_without_one(binary, engine, partner):
+    with native(binary, [engine.path], partner) as fe:
+        assert unary(fe.url, SERVER_LIVE, b"live?", timeout=None)[:3] == (OK, "", b"partner:live?")
+    (call,) = partner.received(SERVER_LIVE)
+    assert call.time_remaining is None or call.time_remaining > 1e6
+
+
+def test_streams_are_forwarded_both_ways(binary, engine, partner):
+    with native(binary, [engine.path], partner) as fe, grpc.insecure_channel(fe.url) as channel:
+        messages = [b"one", b"two", b"three" * 1000]
+        stream = channel.stream_stream(STREAM_INFER)(iter(messages), timeout=30, metadata=(("x-custom", "s"),))
+        assert list(stream) == [b"echo:" + m for m in messages]
+        assert stream.code() == grpc.StatusCode.OK
+        assert dict(stream.initial_metadata())["x-initial"] == "s1"
+        assert dict(stream.trailing_metadata())["x-trailer"] == "s2"
+        watch = channel.unary_stream(WATCH)(b"watch", timeout=30)
+        assert list(watch) == [b"first", b"second"]
+        assert dict(watch.trailing_metadata())["x-trailer"] == "w1"
+    (streamed,) = partner.received(STREAM_INFER)
+    assert streamed.messages == messages and streamed.header("x-custom") == ["s"]
+    assert [c.messages for c in partner.received(WATCH)] == [[b"watch"]]
+
+
+def test_a_cancelled_forwarded_call_is_cancelled_at_the_partner(binary, engine, partner):
+    with native(binary, [engine.path], partner) as fe, grpc.insecure_channel(fe.url) as channel:
+        future = channel.unary_unary(HOLD).future(b"hold", timeout=60)
+        wait_for(lambda: partner.received(HOLD), what="the held call at the partner")
+        future.cancel()
+        (held,) = partner.received(HOLD)
+        assert held.cancelled.wait(30)
+        # and a deadline passing does the same
+        late = channel.unary_unary(HOLD).future(b"late", timeout=2)
+        with pytest.raises(grpc.RpcError) as exc:
+            late.result()
+        assert exc.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        assert partner.received(HOLD)[1].cancelled.wait(30)
+        wait_for(lambda: fe.counters()["forwarded calls in progress"] == 0, what="the forwards to end")
+
+
+def test_internal_methods_are_refused_and_never_forwarded(binary, engine, partner):
+    with native(binary, [engine.path], partner) as fe:
+        assert infer(fe.url, request().SerializeToString())[0] == OK
+        code, details, *_ = unary(fe.url, REPORT, b"from a client")
+        assert code == 12 and details == "Method not found!"
+        code, *_ = unary(fe.url, "/voxserve.internal.Anything/Else", b"from a client")
+        assert code == 12
+        wait_for(reports_settled(partner, 1), what="the report of the ModelInfer")
+    assert [c.method for c in partner.received() if c.method.startswith("/voxserve.internal.")] == []
+    assert partner.bad_reports == []
+
+
+def test_the_partner_unreachable_is_unavailable_and_its_reports_wait(binary, engine, sock_dir):
+    with native(binary, [engine.path], sock_dir / "later.sock") as fe:  # a partner that is not there (yet)
+        code, *_ = unary(fe.url, SERVER_LIVE, b"live?")
+        assert code == UNAVAILABLE
+        assert infer(fe.url, request().SerializeToString())[0] == OK
+        wait_for(lambda: "did not take a report" in fe.log(), what="the failed report's log line")
+        late = Partner(sock_dir / "later.sock")  # it comes up: the waiting record goes, calls go through
+        try:
+            wait_for(reports_settled(late, 1), what="the waiting record")
+            assert [r[0] for r in late.report_records()] == [OK]
+            wait_for(lambda: unary(fe.url, SERVER_LIVE, b"live?")[0] == OK, what="a forwarded call")
+        finally:
+            late.stop()
+
+
+def test_fast_path_0_forwards_every_call(binary, engine, partner):
+    payload = request().SerializeToString()
+    with native(binary, [engine.path], partner, "--fast-path", "0") as fe:
+        assert infer(fe.url, payload)[2] == b"partner:" + payload
+    assert engine.infers() == []
+    assert [c.messages for c in partner.received(INFER)] == [[payload]]
+
+
+# --- accounting ------------------------------------------------------------------------------------------------
+
+
+def test_reports_count_every_fast_path_call_once_with_its_code(binary, real, partner):
+    _server, engine_socket = real
+    shapes = [(1, 3, 3, 3, 3), (2, 3, 4, 5, 6), (3, 3, 3, 4, 3)]
+    nan = np.full((2, 3, 3, 3, 3), np.nan, np.float32)
+    with native(binary, [engine_socket], partner) as fe:
+        for i, shape in enumerate(shapes):
+            assert infer(fe.url, request(shape, "FP16" if i == 1 else "FP32", seed=i).SerializeToString())[0] == OK
+        assert infer(fe.url, build_request(nan, "voxnet", "FP32").SerializeToString())[0] == INVALID_ARGUMENT
+        for payload in not_fast_path().values():  # forwarded: the partner counts those itself
+            infer(fe.url, payload)
+        assert fe.stop() == 0
+    records = partner.report_records()
+    assert Counter(r[0] for r in records) == {OK: 3, INVALID_ARGUMENT: 1}
+    ok_records = [r for r in records if r[0] == OK]
+    # served, samples, input bytes, in the order the calls came
+    assert [(r[1], r[4], r[5]) for r in ok_records] == [
+        (1, 1, 81 * 4), (1, 2, 2 * 3 * 4 * 5 * 6 * 2), (1, 3, 3 * 3 * 3 * 4 * 3 * 4)]
+    assert all(r[2] > 0 and r[3] >= 0 for r in records)
+    (failed,) = [r for r in records if r[0] == INVALID_ARGUMENT]
+    assert (failed[4], failed[5]) == (2, nan.nbytes)
+    assert partner.bad_reports == []
+    assert partner.reports[-1].in_progress == 0
+
+
+# --- tokens and TLS --------------------------------------------------------------------------------------------
+
+
+def test_tokens_are_checked_on_the_fast_path_and_forwarded_calls_carry_them(binary, engine, partner, sock_dir):
+    token = "s3cret-token-0123456789"
+    digests = sock_dir / "digests"
+    digests.write_text(hashlib.sha256(b"another-token-abcdefgh").hexdigest() + "\n"
+                       + hashlib.sha256(token.encode()).hexdigest() + "\n")
+    payload = request().SerializeToString()
+    with native(binary, [engine.path], partner, "--token-digests", str(digests)) as fe:
+        assert infer(fe.url, payload, metadata=(("authorization", f"Bearer {token}"),))[0] == OK
+        assert infer(fe.url, payload, metadata=(("authorization", f"bEaReR   {token}  "),))[0] == OK
+        for metadata in [(("authorization", "Bearer wrong-token-0123456789"),), None,
+                         (("authorization", token),), (("authorization", "Bearer "),)]:
+            assert infer(fe.url, payload, metadata=metadata)[:3] == (UNAUTHENTICATED, DENIED, None)
+        # forwarded calls are the partner's to check: their metadata goes with them
+        assert unary(fe.url, SERVER_LIVE, b"x", metadata=(("authorization", "Bearer whatever"),))[0] == OK
+        assert fe.stop() == 0
+    assert len(engine.infers()) == 2  # the refused ones were never read
+    assert partner.received(SERVER_LIVE)[0].header("authorization") == ["Bearer whatever"]
+    assert Counter(r[0] for r in partner.report_records()) == {OK: 2, UNAUTHENTICATED: 4}
+
+
+def test_a_bad_digest_file_is_exit_2(binary, engine, partner, sock_dir):
+    digests = sock_dir / "digests"
+    digests.write_text("not-a-digest\n")
+    proc = subprocess.run([str(binary), "--engine", str(engine.path), "--listen", "127.0.0.1:0", "--partner",
+                           f"unix:{partner.path}", "--token-digests", str(digests)], capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == 2 and "line 1 is not a lowercase hex SHA-256 digest" in proc.stderr
+
+
+@pytest.mark.parametrize("mutual", [False, True])
+def test_tls_on_the_public_port(binary, engine, partner, sock_dir, mutual):
+    ca = CertificateAuthority(sock_dir, "server")
+    issued = ca.issue("localhost", server=True)
+    clients = CertificateAuthority(sock_dir, "clients")
+    client = clients.issue("client", server=False)
+    flags = ["--tls-cert", str(issued.cert), "--tls-key", str(issued.key)]
+    if mutual:
+        flags += ["--tls-client-ca", str(clients.path)]
+    payload = request().SerializeToString()
+    with native(binary, [engine.path], partner, *flags) as fe:
+        url = fe.url  # (the certificate names 127.0.0.1)
+        plain = grpc.ssl_channel_credentials(ca.path.read_bytes())
+        with_cert = grpc.ssl_channel_credentials(ca.path.read_bytes(), client.key.read_bytes(),
+                                                 client.cert.read_bytes())
+        assert infer(url, payload, credentials=with_cert, timeout=10)[0] == OK
+        assert infer(url, payload, credentials=plain, timeout=10)[0] == (UNAVAILABLE if mutual else OK)
+        assert infer(url, payload, timeout=10)[0] == UNAVAILABLE  # no TLS at all
+        assert unary(url, SERVER_LIVE, b"x", credentials=with_cert, timeout=10)[0] == OK  # forwarded as well
+
+
+# --- limits, several engines, a lost engine ---------------------------------------------------------------------
+
+
+@pytest.fixture
+def held(sock_dir: Path) -> Iterator[FakeEngine]:
+    e = FakeEngine(sock_dir / "held.sock", auto=False)
+    yield e
+    e.close()
+
+
+@pytest.mark.parametrize(("limits", "in_flight", "refusal"), [
+    (["--max-concurrent-rpcs", "2"], 2,
+     (RESOURCE_EXHAUSTED, "the server has 2 RPCs in progress, its limit (--max-concurrent-rpcs); retry later")),
+    (["--max-queue-size", "1"], 1,
+     (UNAVAILABLE, "model 'voxnet' is overloaded: this front end has 1 requests waiting for the engine, its limit "
+                   "(--max-queue-size 1); retry later")),
+])
+def test_the_rpc_and_queue_limits(binary, held, partner, limits, in_flight, refusal):
+    payload = request().SerializeToString()
+    with native(binary, [held.path], partner, *limits) as fe, grpc.insecure_channel(fe.url) as channel:
+        futures = [channel.unary_unary(INFER).future(payload, timeout=60) for _ in range(in_flight)]
+        held.wait_records(ipc.INFER, in_flight)
+        assert infer(fe.url, payload)[:2] == refusal
+        for record in held.infers():
+            held.reply(held.connection(), record.id, 1)
+        assert all(f.result() for f in futures)
+        last = channel.unary_unary(INFER).future(payload, timeout=60)  # room again
+        held.reply(held.connection(), held.wait_records(ipc.INFER, in_flight + 1)[-1].id, 1)
+        assert last.result()
+        assert fe.stop() == 0
+    assert Counter(r[0] for r in partner.report_records()) == {OK: in_flight + 1, refusal[0]: 1}
+
+
+def test_each_request_goes_to_the_engine_with_the_fewest_outstanding(binary, sock_dir, partner):
+    engines = [FakeEngine(sock_dir / f"e{i}.sock", device=f"cpu:{i}", auto=False) for i in range(2)]
+    payload = request().SerializeToString()
+    try:
+        with native(binary, [e.path for e in engines], partner) as fe, grpc.insecure_channel(fe.url) as channel:
+            futures, replied = [], set()
+
+            def send(expected: list[int]) -> None:
+                futures.append(channel.unary_unary(INFER).future(payload, timeout=60))
+                wait_for(lambda: [len(e.infers()) for e in engines] == expected,
+                         what=f"records on the engines {expected}")
+
+            def answer(e: FakeEngine) -> None:
+                for record in e.infers():
+                    if record.id not in replied:
+                        replied.add(record.id)
+                        e.reply(e.connection(), record.id, 1)
+
+            send([1, 0])  # a tie: the first
+            send([1, 1])
+            send([2, 1])
+            answer(engines[0])  # 0 outstanding there, 1 on engine 1
+            wait_for(lambda: fe.counters()["pending"] == 1, what="engine 0's answers")
+            send([3, 1])
+            send([4, 1])  # a tie again
+            send([4, 2])
+            answer(engines[0])
+            answer(engines[1])
+            assert all(f.result() for f in futures)
+            # each engine got the same arena (one memfd, handed to both) and this front end's name
+            assert [e.frontends[0]["frontend"] for e in engines] == ["native-test", "native-test"]
+    finally:
+        for e in engines:
+            e.close()
+
+
+def test_lost_engines_fail_their_calls_and_then_every_call(binary, sock_dir, partner):
+    engines = [FakeEngine(sock_dir / f"e{i}.sock", device=f"cpu:{i}", auto=False) for i in range(2)]
+    payload = request().SerializeToString()
+    try:
+        with native(binary, [e.path for e in engines], partner) as fe, grpc.insecure_channel(fe.url) as channel:
+            first = channel.unary_unary(INFER).future(payload, timeout=60)
+            engines[0].wait_records(ipc.INFER, 1)
+            engines[0].close()
+            with pytest.raises(grpc.RpcError) as exc:
+                first.result()
+            assert (exc.value.code(), exc.value.details()) == (
+                grpc.StatusCode.UNAVAILABLE, "the engine on cpu:0 stopped (it closed the connection); retry")
+            second = channel.unary_unary(INFER).future(payload, timeout=60)  # the one left takes it
+            engines[1].wait_records(ipc.INFER, 1)
+            engines[1].close()
+            with pytest.raises(grpc.RpcError):
+                second.result()
+            assert infer(fe.url, payload)[:2] == (
+                UNAVAILABLE, "the engine(s) on cpu:0, cpu:1 stopped (engine connection lost: it closed the "
+                "connection); this replica must be restarted, retry on another")
+            assert fe.counters()["arena bytes held"] == 0
+    finally:
+        for e in engines:
+            e.close()
+
+
+# --- cancellation, deadlines, the arena ------------------------------------------------------------------------
+
+
+def test_a_cancelled_call_sends_cancel_and_its_block_waits_for_the_reply(binary, held, partner):
+    big = request((4, 3, 8, 8, 8), seed=1)
+    small = request((1, 3, 3, 3, 3), seed=2)
+    with native(binary, [held.path], partner) as fe, grpc.insecure_channel(fe.url) as channel:
+        cancelled = channel.unary_unary(INFER).future(big.SerializeToString(), timeout=60)
+        (first,) = held.wait_records(ipc.INFER, 1)
+        assert first.data == big.raw_input_contents[0] and not np.isnan(first.deadline)
+        cancelled.cancel()
+        (cancel,) = held.wait_records(ipc.CANCEL, 1)
+        assert cancel.id == first.id
+        # Its block stays reserved until the engine answers: the next request's lies elsewhere.
+        later = channel.unary_unary(INFER).future(small.SerializeToString(), timeout=60)
+        second = held.wait_records(ipc.INFER, 2)[1]
+        assert second.offset >= first.offset + first.nbytes or second.offset + second.nbytes <= first.offset
+        assert second.data == small.raw_input_contents[0]
+        held.reply_error(held.connection(), first.id, CANCELLED, "cancelled")
+        held.reply(held.connection(), second.id, 1)
+        assert parse_response(pb.ModelInferResponse.FromString(later.result())).shape == (1, 16)
+        counters = fe.counters()
+        assert (counters["pending"], counters["arena bytes held"], counters["cancel records"]) == (0, 0, 1)
+        # with nothing held, the ring goes on after the last block
+        third = channel.unary_unary(INFER).future(small.SerializeToString(), timeout=60)
+        record = held.wait_records(ipc.INFER, 3)[2]
+        held.reply(held.connection(), record.id, 1)
+        assert third.result()
+        assert fe.stop() == 0
+    assert Counter(r[0] for r in partner.report_records()) == {OK: 2, CANCELLED: 1}
+
+
+def test_a_cancelled_calls_block_is_not_reused_before_the_engines_reply(binary, held, partner):
+    """In a 1 MiB ring, A and B take the first 768 KiB; A is cancelled; C (384 KiB) fits only where A was, so it
+    waits until the engine answers A."""
+    a, b, c = (request((1, 3, 32, 32, 32), seed=i, request_id=name) for i, name in enumerate("abc"))
+    assert len(a.raw_input_contents[0]) == 384 << 10
+    with native(binary, [held.path], partner, "--arena-bytes", str(1 << 20)) as fe, \
+            grpc.insecure_channel(fe.url) as channel:
+        first = channel.unary_unary(INFER).future(a.SerializeToString(), timeout=60)
+        held.wait_records(ipc.INFER, 1)
+        second = channel.unary_unary(INFER).future(b.SerializeToString(), timeout=60)
+        ra, rb = held.wait_records(ipc.INFER, 2)
+        assert (ra.offset, rb.offset) == (0, 384 << 10)
+        first.cancel()
+        held.wait_records(ipc.CANCEL, 1)
+        third = channel.unary_unary(INFER).future(c.SerializeToString(), timeout=60)
+        wait_for(lambda: fe.counters()["waiting"] == 1, what="C waiting for room")
+        assert len(held.infers()) == 2
+        held.reply_error(held.connection(), ra.id, CANCELLED, "cancelled")
+        rc = held.wait_records(ipc.INFER, 3)[2]
+        assert (rc.offset, rc.data) == (0, c.raw_input_contents[0])
+        held.reply(held.connection(), rb.id, 1)
+        held.reply(held.connection(), rc.id, 1)
+        assert second.result() and third.result()
+        counters = fe.counters()
+        assert (counters["pending"], counters["waiting"], counters["arena bytes held"]) == (0, 0, 0)
+
+
+def test_deadlines_travel_in_the_record_and_cancel_when_they_pass(binary, held, partner):
+    payload = request().SerializeToString()
+    with native(binary, [held.path], partner) as fe, grpc.insecure_channel(fe.url) as channel:
+        before = time.monotonic()
+        timed = channel.unary_unary(INFER).future(payload, timeout=2)
+        (record,) = held.wait_records(ipc.INFER, 1)
+        assert before < record.deadline <= record.received + 2  # CLOCK_MONOTONIC seconds, as time.monotonic()
+        with pytest.raises(grpc.RpcError) as exc:
+            timed.result()
+        assert exc.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        (cancel,) = held.wait_records(ipc.CANCEL, 1)
+        assert cancel.id == record.id
+        untimed = channel.unary_unary(INFER).future(payload)
+        record = held.wait_records(ipc.INFER, 2)[1]
+        assert np.isnan(record.deadline)
+        held.reply_error(held.connection(), cancel.id, CANCELLED, "cancelled")
+        held.reply(held.connection(), record.id, 1)
+        assert untimed.result()
+        assert fe.counters()["arena bytes held"] == 0
+        assert fe.stop() == 0
+    assert Counter(r[0] for r in partner.report_records()) == {OK: 1, DEADLINE_EXCEEDED: 1}
+
+
+def test_calls_waiting_for_arena_room_are_cancelled_and_later_calls_work_on_a_real_engine(binary, real, partner):
+    """The prototype's burst: 12 calls of 3 MB into an 8 MiB arena (two fit at once, the rest wait for room), half
+    cancelled by the client, half by a short deadline; then a plain call, which is answered; nothing stays held."""
+    _server, engine_socket = real
+    x = np.random.default_rng(1).standard_normal((16, 3, 16, 32, 32), dtype=np.float32)
+    payload = build_request(x, "voxnet", "FP32").SerializeToString()
+    with native(binary, [engine_socket], partner, "--arena-bytes", str(8 << 20)) as fe, \
+            grpc.insecure_channel(fe.url, options=[("grpc.max_send_message_length", 1 << 27)]) as channel:
+        futures = [channel.unary_unary(INFER).future(payload, timeout=0.05 if i % 2 else 60) for i in range(12)]
+        wait_for(lambda: fe.counters()["waiting"] > 0, what="calls waiting for arena room")
+        for future in futures[::2]:
+            future.cancel()
+        for future in futures:
+            with contextlib.suppress(grpc.RpcError, grpc.FutureCancelledError):
+                future.result()
+        wait_for(lambda: fe.counters()["pending"] == 0, 120, "the engine's replies")
+        assert infer(fe.url, request().SerializeToString())[0] == OK
+        counters = fe.counters()
+        assert counters["cancel records"] > 0
+        assert counters["replies"] == counters["infer records"]
+        assert (counters["waiting"], counters["arena blocks held"], counters["arena bytes held"]) == (0, 0, 0)
+
+
+# --- draining, the command line, the build -----------------------------------------------------------------------
+
+
+def test_sigterm_answers_the_call_in_flight_then_exits_0(binary, held, partner):
+    payload = request().SerializeToString()
+    with native(binary, [held.path], partner, "--grace-period-s", "30") as fe, \
+            grpc.insecure_channel(fe.url) as channel:
+        in_flight = channel.unary_unary(INFER).future(payload, timeout=60)
+        (record,) = held.wait_records(ipc.INFER, 1)
+        fe.proc.send_signal(15)
+        wait_for(lambda: "draining" in fe.log(), what="the drain")
+        wait_for(lambda: refuses(fe.port), what="the port to close")  # Shutdown has begun
+        held.reply(held.connection(), record.id, 1)
+        assert parse_response(pb.ModelInferResponse.FromString(in_flight.result())).shape == (1, 16)
+        assert fe.wait() == 0
+        assert fe.stopped_counters()["arena bytes held"] == 0
+    assert [r[0] for r in partner.report_records()] == [OK]
+    assert partner.reports[-1].in_progress == 0
+
+
+def refuses(port: int) -> bool:
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) != 0
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--bogus", "1"], "unknown flag --bogus"),
+    (["--engine"], "--engine needs a value"),
+    (["--engine", "e.sock", "--listen", "127.0.0.1:0"], "--partner unix:PATH is required"),
+    (["--engine", "e.sock", "--listen", "x:0", "--partner", "/no/scheme"], "--partner takes unix:PATH"),
+    (["--engine", "e.sock", "--listen", "x:0", "--partner", "unix:p", "--fast-path", "2"], "--fast-path takes 0 or 1"),
+    (["--engine", "e.sock", "--listen", "x:0", "--partner", "unix:p", "--max-queue-size", "many"],
+     "--max-queue-size takes an integer"),
+])
+def test_a_mistake_on_the_command_line_is_exit_2(binary, argv, message):
+    proc = subprocess.run([str(binary), *argv], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and message in proc.stderr
+
+
+def test_a_port_in_use_by_another_process_is_exit_1(binary, engine, partner):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        proc = subprocess.run([str(binary), "--engine", str(engine.path), "--listen", f"127.0.0.1:{port}",
+                               "--partner", f"unix:{partner.path}"],
+                              capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 1 and "cannot serve on" in proc.stderr
+
+
+def test_the_build_is_cached_and_a_prebuilt_binary_can_be_named(binary, monkeypatch, tmp_path):
+    assert build.problem() is None
+    assert build.build() == binary  # from the cache: same sources, same toolchain
+    monkeypatch.setenv(build.ENV_BINARY, str(tmp_path / "absent"))
+    with pytest.raises(build.NativeBuildError, match="is not an executable file"):
+        build.build()
+    assert "is not an executable file" in (build.problem() or "")
+    monkeypatch.setenv(build.ENV_BINARY, str(binary))
+    assert build.build() == binary
+
+
+def test_a_missing_tool_is_named_with_its_debian_package(monkeypatch):
+    real_which = shutil.which
+    monkeypatch.delenv(build.ENV_BINARY, raising=False)
+    monkeypatch.setattr(build.shutil, "which", lambda name: None if name in ("protoc", "g++") else real_which(name))
+    with pytest.raises(build.NativeBuildError) as exc:
+        build.build()
+    message = str(exc.value)
+    assert "missing g++, protoc" in message and "(Debian: g++ protobuf-compiler-grpc)" in message
+    assert "sudo apt-get install g++ pkg-config libgrpc++-dev protobuf-compiler-grpc libssl-dev" in message
+
+
+def test_a_missing_library_is_named_with_its_debian_package(binary, monkeypatch):
+    monkeypatch.delenv(build.ENV_BINARY, raising=False)
+    monkeypatch.setattr(build, "PKG_CONFIG_PACKAGES", ("grpc++", "libcrypto", "voxserve-no-such-package"))
+    monkeypatch.setitem(build.DEBIAN_PACKAGES, "voxserve-no-such-package", "libnothing-dev")
+    with pytest.raises(build.NativeBuildError,
+                       match=r"missing voxserve-no-such-package \(pkg-config\) \(Debian: libnothing-dev\)"):
+        build.build()
+
+
+def test_concurrent_builds_wait_for_each_other(binary, monkeypatch, tmp_path):
+    """Two builders of the same sources into an empty cache: one compiles (here a stand-in that copies the built
+    binary), the other waits on the lock and takes its result."""
+    monkeypatch.delenv(build.ENV_BINARY, raising=False)
+    monkeypatch.setenv(build.ENV_CACHE, str(tmp_path))
+    compiled = []
+    entered = threading.Event()
+
+    def compile_(tools, cflags, libs, work: Path, target_dir: Path) -> None:
+        compiled.append(threading.get_ident())
+        entered.set()
+        time.sleep(0.5)  # (the other builder reaches the lock meanwhile)
+        shutil.copy(binary, work / build.BINARY_NAME)
+
+    monkeypatch.setattr(build, "_compile", compile_)
+    results: list[Path] = []
+    threads = [threading.Thread(target=lambda: results.append(build.build())) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(compiled) == 1 and len(set(results)) == 1 and results[0].exists()
