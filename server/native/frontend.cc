@@ -23,6 +23,7 @@
 #include <fcntl.h>
 #include <grpcpp/grpcpp.h>
 #include <signal.h>
+#include <sys/prctl.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -59,6 +60,11 @@ std::string Counters(voxserve::Frontend& fe) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  // Be sent SIGTERM when the process that started this one dies (the supervisor, killed outright, forwards
+  // nothing): no front end outlives it holding the port (supervisor.die_with_supervisor, for the Python children).
+  const pid_t parent = getppid();
+  prctl(PR_SET_PDEATHSIG, SIGTERM);
+  if (getppid() != parent) raise(SIGTERM);  // it died before the request took effect
   auto fe = std::make_unique<voxserve::Frontend>();
   try {
     fe->options = voxserve::ParseOptions(argc, argv);
