@@ -232,6 +232,7 @@ def supervise(settings: Settings, command: Sequence[str] | None = None) -> int:
     reserved_http = reserve_port(settings.host, settings.http_port) if settings.http_port >= 0 else None
     http_port = reserved_http.getsockname()[1] if reserved_http is not None else -1
     children: list[subprocess.Popen] = []
+    natives: list[subprocess.Popen] = []  # native front ends: stopped first (their last report goes to a partner)
     stopping = threading.Event()
     metrics_server = None
     try:
@@ -266,18 +267,29 @@ def supervise(settings: Settings, command: Sequence[str] | None = None) -> int:
             if native is None:
                 log.info("front end %d (pid %d), gRPC port %d, REST port %d", j, children[-1].pid, port, http_port)
                 continue
-            children.append(subprocess.Popen(
+            natives.append(subprocess.Popen(
                 native_frontends.command(native, settings, name, sockets, partner, port, token_digests)))
+            children.append(natives[-1])
             log.info("front end %d: native (pid %d) on gRPC port %d, its Python partner (pid %d) on unix:%s and REST "
                      "port %d", j, children[-1].pid, port, children[-2].pid, partner, http_port)
 
         stop_by: list[float] = []  # when children still running after a stop began are killed
+        # A stop with native front ends goes in two steps: they drain first (their partners still take the last
+        # report), then every other child. Until then, the signal that the others are still to get.
+        then: list[int] = []
 
         def forward(signum, _frame) -> None:
-            if not stopping.is_set():
-                stop_by.append(time.monotonic() + settings.grace_period_s + STOP_MARGIN_S)
+            first = not stopping.is_set()
+            if first:
+                stages = 2 if natives else 1
+                stop_by.append(time.monotonic() + stages * (settings.grace_period_s + STOP_MARGIN_S))
             stopping.set()
-            for child in children:
+            if first and any(n.poll() is None for n in natives):
+                then.append(signum)
+                targets = natives
+            else:
+                targets = children
+            for child in targets:
                 if child.poll() is None:
                     child.send_signal(signum)
 
@@ -293,6 +305,8 @@ def supervise(settings: Settings, command: Sequence[str] | None = None) -> int:
                 log.error("replica pid %d exited with %s; stopping the others", bad.pid, bad.returncode)
                 code = 1
                 forward(signal.SIGTERM, None)
+            if then and all(n.poll() is not None for n in natives):  # the native front ends are done
+                forward(then.pop(), None)
             if stop_by and time.monotonic() > stop_by[0]:
                 stuck = [c.pid for c in children if c.poll() is None]
                 log.error("children %s did not stop within the grace period; killing them", stuck)
