@@ -36,9 +36,9 @@ PKG_CONFIG_PACKAGES = ("grpc++", "protobuf", "libcrypto")
 # What provides each tool and pkg-config package on Debian, for the message when one is missing.
 DEBIAN_PACKAGES = {
     "g++": "g++", "pkg-config": "pkg-config", "protoc": "protobuf-compiler-grpc", "grpc_cpp_plugin":
-    "protobuf-compiler-grpc", "grpc++": "libgrpc++-dev", "protobuf": "libgrpc++-dev", "libcrypto": "libssl-dev",
+    "protobuf-compiler-grpc", "grpc++": "libgrpc++-dev", "protobuf": "libprotobuf-dev", "libcrypto": "libssl-dev",
 }  # fmt: skip
-ALL_PACKAGES = "g++ pkg-config libgrpc++-dev protobuf-compiler-grpc libssl-dev"
+ALL_PACKAGES = "g++ pkg-config libgrpc++-dev libprotobuf-dev protobuf-compiler-grpc libssl-dev"
 ENV_BINARY = "VOXSERVE_NATIVE_FRONTEND"
 ENV_CACHE = "VOXSERVE_NATIVE_CACHE"
 

@@ -664,7 +664,8 @@ def test_a_missing_tool_is_named_with_its_debian_package(monkeypatch):
         build.build()
     message = str(exc.value)
     assert "missing g++, protoc" in message and "(Debian: g++ protobuf-compiler-grpc)" in message
-    assert "sudo apt-get install g++ pkg-config libgrpc++-dev protobuf-compiler-grpc libssl-dev" in message
+    assert ("sudo apt-get install g++ pkg-config libgrpc++-dev libprotobuf-dev protobuf-compiler-grpc libssl-dev"
+            in message)
 
 
 def test_a_missing_library_is_named_with_its_debian_package(binary, monkeypatch):
@@ -698,3 +699,4 @@ def test_concurrent_builds_wait_for_each_other(binary, monkeypatch, tmp_path):
     for t in threads:
         t.join()
     assert len(compiled) == 1 and len(set(results)) == 1 and results[0].exists()
+
