@@ -20,6 +20,7 @@ from voxserve.kernels import reference_float64, reference_weights
 from voxserve.proto import pb
 from voxserve.server.core.model import relative_error
 from voxserve.testing.fuzz import ALLOWED_CODES, Mutator, seed_requests
+from voxserve.testing.load import proc_stat
 
 from ..certs import CertificateAuthority
 from ..conftest import serve_process
@@ -97,6 +98,7 @@ def test_native_front_ends_serve_every_call_kind_behind_one_port(tmp_path):
         assert srv.proc.wait(timeout=60) == 0
     text = srv.log
     assert text.count("(front end of 1 engine(s))") == 2 and text.count(": native (pid") == 2
+    assert "did not reach the partner" not in text  # the native ones stopped first: their last report arrived
 
 
 def test_native_front_ends_check_the_token_on_every_path(tmp_path):
@@ -180,3 +182,24 @@ def test_mutated_requests_get_the_python_front_ends_answers_through_native_ones(
             served += 1
             assert y.shape == want_y.shape and np.allclose(y, want_y, rtol=1e-5, atol=1e-7, equal_nan=True)
     assert served > 0  # the fast path took some
+
+
+def test_every_child_stops_when_the_supervisor_is_killed(tmp_path):
+    """SIGKILL leaves the supervisor no chance to pass anything on: the native front end, its partner and the engine
+    must notice by themselves (the native one as the Python children do: a signal on its parent's death)."""
+    with serve_process(tmp_path / "server.log", "--device", "cpu", "--frontends", "1", "--frontend-impl", "native",
+                       "--grace-period-s", "2") as srv:
+        _ready(srv)
+        log = (tmp_path / "server.log").read_text()
+        pids = [int(p) for p in re.findall(r"\(pid (\d+)\)", log)]
+        assert len(pids) == 3, log  # the engine, the native front end and its partner
+        srv.proc.kill()
+        srv.proc.wait()
+
+        def gone(pid: int) -> bool:
+            try:
+                return proc_stat(f"/proc/{pid}/stat")[1][0] == "Z"  # a zombie has exited
+            except FileNotFoundError:
+                return True
+
+        _wait_for(lambda: all(gone(p) for p in pids), 60, "every child to exit")
