@@ -7,8 +7,9 @@
 #   Triton:   .triton/ holding the nvidia-pytriton 0.7.0 wheel (55 MB), or, to travel beside .mls/ within one
 #             call's 64 MiB, its server parts for Python 3.12 (27 MB):
 #             python bench/triton_peer/server.py pack nvidia_pytriton-0.7.0-*.whl .triton/tritonserver-py3.12.zip --python 3.12
-#   Native front ends: .native/ from bench/native_carry.sh (the binary and the libraries it needs beyond the
-#             device's image); NATIVE_FRONTENDS=N (default: FRONTENDS) adds the rows of --frontend-impl native.
+#   Native front ends: .native/voxserve-native.tar.xz from bash bench/native_carry.sh (the binary and the libraries
+#             it needs beyond the device's image, ~6 MB); NATIVE_FRONTENDS=N (default: FRONTENDS) adds the rows of
+#             --frontend-impl native.
 # Writes $OUT/service-<device>.md and $OUT/service.log. The whole run stays within LIMIT_S (590) seconds.
 set -uo pipefail
 OUT=${OUT:-$PWD/device-out}
@@ -28,9 +29,11 @@ if [ "${TESTS:-1}" != 0 ]; then
   timeout 300 python3 -m pytest -q tests/core/test_pipeline_gpu.py tests/topology/test_frontends.py 2>&1 | tail -3
 fi
 NATIVE=()
-if [ -x .native/voxserve-frontend ]; then
-  export VOXSERVE_NATIVE_FRONTEND=$PWD/.native/voxserve-frontend LD_LIBRARY_PATH=$PWD/.native/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
-  if ldd .native/voxserve-frontend | grep "not found"; then echo "native front end: libraries missing (above)"
+if [ -f .native/voxserve-native.tar.xz ]; then
+  mkdir -p /tmp/voxserve-native && tar -C /tmp/voxserve-native -xJf .native/voxserve-native.tar.xz
+  export VOXSERVE_NATIVE_FRONTEND=/tmp/voxserve-native/voxserve-frontend
+  export LD_LIBRARY_PATH=/tmp/voxserve-native/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+  if ldd "$VOXSERVE_NATIVE_FRONTEND" | grep "not found"; then echo "native front end: libraries missing (above)"
   else NATIVE=(--native-frontends "${NATIVE_FRONTENDS:-${FRONTENDS:-6}}"); fi
 fi
 name=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | tr 'A-Z ' 'a-z-')
