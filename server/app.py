@@ -295,6 +295,8 @@ def serve(settings: Settings) -> int:
         logs.configure(settings.log_level, settings.log_format)
         log.info("--frontends auto: %d front ends (%.4g usable CPU cores%s)", frontends, usable_cpus(),
                  ", model on the CPU" if frontends == 0 else "")
+        if frontends == 0 and settings.frontend_impl == "native":
+            log.info("--frontend-impl native: no front ends, so none is native (gRPC is served in process)")
     if replicas > 1 or frontends > 0:
         return supervise(dataclasses.replace(settings, replicas=replicas, frontends=frontends))
     settings = dataclasses.replace(settings, frontends=frontends)
