@@ -700,3 +700,15 @@ def test_concurrent_builds_wait_for_each_other(binary, monkeypatch, tmp_path):
         t.join()
     assert len(compiled) == 1 and len(set(results)) == 1 and results[0].exists()
 
+
+
+def test_a_model_infer_without_a_message_reaches_the_partner(binary, engine, partner):
+    """A client that half-closes without sending anything: the partner answers it (it has no message to parse)."""
+    with native(binary, [engine.path], partner) as fe, grpc.insecure_channel(fe.url) as channel:
+        with pytest.raises(grpc.RpcError) as exc:
+            channel.stream_unary(INFER)(iter([]), timeout=30)
+        # the partner's gRPC answers it before any handler of its own runs
+        assert exc.value.code() == grpc.StatusCode.UNIMPLEMENTED
+        assert "requires exactly one request message" in exc.value.details()
+        assert infer(fe.url, request().SerializeToString())[0] == OK  # and the next call is served
+    assert len(engine.infers()) == 1
