@@ -8,6 +8,7 @@
 #include <cstring>
 
 #include "common.h"
+#include "wire.h"
 
 namespace voxserve {
 
@@ -213,7 +214,8 @@ class InferCall final : public grpc::ServerUnaryReactor, public EngineRequest {
   int64_t arrived_ns_;
   double timeout_s_ = NAN;  // the deadline's distance from the arrival (NaN: none)
 
-  inference::ModelInferRequest request_;
+  inference::ModelInferRequest request_;  // (without its tensor when split)
+  SplitMessage split_;                    // a large request's slices: its tensor's pieces point into them
   bool decoded_ = false;
   bool typed_ = false;
   inference::ModelInferResponse response_;
@@ -294,13 +296,20 @@ void InferCall::Start() {
   }
   holds_slot_ = true;
   // Parse from gRPC's buffer, which stays as it came: a request the fast path does not take goes on byte for byte.
-  bool parsed;
-  {
+  // A large one's tensor stays in it (wire.h): protobuf parses the rest, and the tensor is copied once, from the
+  // buffer's slices into the arena; a small one (or one the walk refuses) protobuf parses whole.
+  bool parsed, split = false;
+  const bool large = request_bb_->Length() >= kWholeParseBytes;
+  if (large && SplitRawContents(*request_bb_, &split_)) {
+    split = true;
+    parsed = request_.ParseFromString(split_.rest);
+  } else {
+    if (large) split_ = SplitMessage();  // what a refused walk left
     grpc::ProtoBufferReader reader(const_cast<grpc::ByteBuffer*>(request_bb_));  // (only read)
     parsed = request_.ParseFromZeroCopyStream(&reader) && reader.status().ok();
   }
   Decoded d;
-  if (!parsed || !Eligible(request_, fe_->spec, &d)) {
+  if (!parsed || !Eligible(request_, fe_->spec, &d, split ? &split_.raw_bytes : nullptr)) {
     request_.Clear();
     ReleaseSlot();
     StartForward();
@@ -312,6 +321,11 @@ void InferCall::Start() {
   std::memcpy(shape, d.shape, sizeof(shape));
   data = d.data;
   nbytes = d.nbytes;
+  if (split) {
+    pieces = std::move(split_.pieces);
+    fe_->wire_tensors.fetch_add(1, std::memory_order_relaxed);
+    fe_->wire_slices.fetch_add(static_cast<int64_t>(pieces.size()), std::memory_order_relaxed);
+  }
   const grpc::Status status = fe_->engines->Submit(this);
   if (!status.ok()) FinishFast(status, 0);
 }

@@ -67,6 +67,8 @@ struct Frontend {
   std::atomic<int64_t> fast_calls{0};    // fast-path calls in progress (the --max-concurrent-rpcs bound)
   std::atomic<int64_t> forwarded_calls{0};
   std::atomic<int64_t> live_calls{0};    // reactors not yet done (the drain waits for 0)
+  // Fast-path tensors copied from the received message's slices (wire.h), and how many slices they lay in.
+  std::atomic<int64_t> wire_tensors{0}, wire_slices{0};
 };
 
 // The generic service: one reactor per call of any method but those of InferService.
