@@ -15,7 +15,10 @@
 
 namespace voxserve {
 
-// Below this many bytes protobuf parses the whole message, tensor included (wire.py's WHOLE_PARSE_BYTES).
+// Below this many bytes protobuf parses the whole message, tensor included (wire.py's WHOLE_PARSE_BYTES). Timed
+// alone on the 2-core box the walk costs less from about 4 KiB of tensor, but served end to end a request of
+// 9 KiB cost the front end 5-28 us more with the walk than without in three pairs of runs out of three
+// (bench/results/native-frontend-copies-cpu-2core.md), so the smaller messages keep the whole parse.
 constexpr size_t kWholeParseBytes = 32 * 1024;
 
 struct SplitMessage {
