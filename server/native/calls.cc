@@ -8,6 +8,7 @@
 #include <cstring>
 
 #include "common.h"
+#include "wire.h"
 
 namespace voxserve {
 
@@ -72,6 +73,29 @@ Partner::Lane& Partner::Pick() {
 
 namespace {
 
+// The partner's side of a forwarded call: a child of the client's call (its deadline; its cancellation, which is
+// also propagated by the reactors), with the client's metadata less what is not forwardable, and its peer.
+std::unique_ptr<grpc::ClientContext> PartnerContext(grpc::CallbackServerContext* ctx) {
+  std::unique_ptr<grpc::ClientContext> cctx = grpc::ClientContext::FromCallbackServerContext(*ctx);
+  for (const auto& [key, value] : ctx->client_metadata())
+    if (Forwardable(key)) cctx->AddMetadata(Str(key), Str(value));
+  cctx->AddMetadata(kPeerHeader, ctx->peer());
+  return cctx;
+}
+
+// The deadline of a call as CLOCK_MONOTONIC seconds (the record's clock; NaN: none) and its distance from the
+// arrival: gRPC's clocks have their own epochs, so the time left is added to CLOCK_MONOTONIC's now.
+void CallDeadline(const grpc::CallbackServerContext* ctx, int64_t arrived_ns, double* deadline, double* timeout_s) {
+  const gpr_timespec raw = ctx->raw_deadline();
+  if (gpr_time_cmp(raw, gpr_inf_future(raw.clock_type)) == 0) {
+    *deadline = NAN;
+    return;
+  }
+  const gpr_timespec left = gpr_time_sub(raw, gpr_now(raw.clock_type));
+  *timeout_s = static_cast<double>(left.tv_sec) + static_cast<double>(left.tv_nsec) * 1e-9;
+  *deadline = static_cast<double>(arrived_ns) * 1e-9 + *timeout_s;
+}
+
 class Call;
 
 // A call forwarded to the partner, in both directions at once, one message in flight each way (so HTTP/2 flow
@@ -90,9 +114,7 @@ class Call;
 class Forward {
  public:
   Forward(Frontend* fe, Call* call, grpc::GenericCallbackServerContext* ctx);
-  // ``first``: the client's first message, already read (a ModelInfer the fast path did not take), else null;
-  // ``half_closed``: the client has half-closed already (it sent nothing).
-  void Start(grpc::ByteBuffer* first, bool half_closed);
+  void Start();
   void OnServerReadDone(bool ok);
   void OnServerWriteDone(bool ok);
   void Cancel() { cctx_->TryCancel(); }
@@ -135,13 +157,36 @@ class Forward {
   bool down_waiting_ = false;       // a message down waits for the headers to be seen
 };
 
-// The one reactor of every call (see calls.h).
-class Call final : public grpc::ServerGenericBidiReactor, public EngineRequest {
+// The generic service's reactor (see calls.h): a forward to the partner, or a refusal.
+class Call final : public grpc::ServerGenericBidiReactor {
  public:
   Call(Frontend* fe, grpc::GenericCallbackServerContext* ctx);
 
-  void OnReadDone(bool ok) override;
-  void OnWriteDone(bool ok) override;
+  void OnReadDone(bool ok) override { forward_->OnServerReadDone(ok); }
+  void OnWriteDone(bool ok) override { forward_->OnServerWriteDone(ok); }
+  void OnCancel() override;
+  void OnDone() override;
+
+  void Ref() { refs_.fetch_add(1, std::memory_order_relaxed); }
+  void Unref() {
+    if (refs_.fetch_sub(1, std::memory_order_acq_rel) == 1) delete this;
+  }
+
+ private:
+  Frontend* fe_;
+  std::unique_ptr<Forward> forward_;  // null: refused (set in the constructor, before any reaction)
+  std::atomic<int> refs_{1};  // OnDone's; the forward's client side adds its own
+};
+
+// ModelInfer's reactor: the fast path, or one unary call to the partner with the same bytes.
+class InferCall final : public grpc::ServerUnaryReactor, public EngineRequest {
+ public:
+  InferCall(Frontend* fe, grpc::CallbackServerContext* ctx, const grpc::ByteBuffer* request,
+            grpc::ByteBuffer* response);
+  // What the constructor does not: may end the call (never before the handler returns: gRPC runs no reaction
+  // and no OnDone before the reactor is bound).
+  void Start();
+
   void OnCancel() override;
   void OnDone() override;
 
@@ -153,68 +198,92 @@ class Call final : public grpc::ServerGenericBidiReactor, public EngineRequest {
   }
 
  private:
-  enum class Mode { kFast, kForward, kRefused };
-
   bool Authorized() const;
   // The fast path's end: one report record and the status (with the response when OK). Called exactly once per
   // fast-path call; ``this`` may be gone when it returns.
   void FinishFast(const grpc::Status& status, uint64_t queue_ns);
   void ReleaseSlot();
-  void StartForward(bool have_first, bool half_closed);
+  void StartForward();
   // The code a cancelled call is counted under: DEADLINE_EXCEEDED when it was its deadline's (see the slack).
   grpc::StatusCode CancelCode() const;
 
   Frontend* fe_;
-  grpc::GenericCallbackServerContext* ctx_;
-  Mode mode_ = Mode::kFast;
+  grpc::CallbackServerContext* ctx_;
+  const grpc::ByteBuffer* request_bb_;  // gRPC's, alive until after OnDone
+  grpc::ByteBuffer* response_bb_;       // gRPC's: what Finish(OK) sends
   int64_t arrived_ns_;
   double timeout_s_ = NAN;  // the deadline's distance from the arrival (NaN: none)
 
-  // The fast path's request and answer.
-  grpc::ByteBuffer request_bb_;
-  inference::ModelInferRequest request_;
+  inference::ModelInferRequest request_;  // (without its tensor when split)
+  SplitMessage split_;                    // a large request's slices: its tensor's pieces point into them
   bool decoded_ = false;
   bool typed_ = false;
   inference::ModelInferResponse response_;
-  grpc::ByteBuffer response_bb_;
   bool holds_slot_ = false;
+
+  // The call forwarded to the partner: the request's bytes (or, as the client did, none) up, the answer down.
+  // (A stream of one message each way, so that a client's call without a message goes on as it came.)
+  class Forwarded final : public grpc::ClientBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer> {
+   public:
+    explicit Forwarded(InferCall* call) : call_(call), cctx(PartnerContext(call->ctx_)) {}
+    void OnDone(const grpc::Status& status) override;
+
+   private:
+    InferCall* call_;
+
+   public:
+    std::unique_ptr<grpc::ClientContext> cctx;
+    Partner::Lane* lane = nullptr;
+  };
 
   std::mutex mu_;
   bool cancelled_ = false;
-  std::unique_ptr<Forward> forward_;
-  std::atomic<int> refs_{1};  // OnDone's; the forward's client side and Engines' copies add theirs
+  std::unique_ptr<Forwarded> forward_;  // the partner's call, when forwarded
+  std::atomic<int> refs_{1};  // OnDone's; the forward and Engines' copies add theirs
 };
 
 // ---- Call ----------------------------------------------------------------------------------------------------
 
-Call::Call(Frontend* fe, grpc::GenericCallbackServerContext* ctx) : fe_(fe), ctx_(ctx) {
-  arrived_ns_ = MonotonicNs();
+Call::Call(Frontend* fe, grpc::GenericCallbackServerContext* ctx) : fe_(fe) {
   fe_->live_calls.fetch_add(1);
-  // The deadline as CLOCK_MONOTONIC seconds (the record's clock): gRPC's clocks have their own epochs, so the
-  // time left is added to CLOCK_MONOTONIC's now.
-  const gpr_timespec raw = ctx->raw_deadline();
-  if (gpr_time_cmp(raw, gpr_inf_future(raw.clock_type)) == 0) {
-    deadline = NAN;
-  } else {
-    const gpr_timespec left = gpr_time_sub(raw, gpr_now(raw.clock_type));
-    timeout_s_ = static_cast<double>(left.tv_sec) + static_cast<double>(left.tv_nsec) * 1e-9;
-    deadline = static_cast<double>(arrived_ns_) * 1e-9 + timeout_s_;
-  }
-  const std::string& method = ctx->method();
-  if (method.rfind(kInternalPrefix, 0) == 0) {  // this process's own RPCs to the partner: never a client's
-    mode_ = Mode::kRefused;
+  if (ctx->method().rfind(kInternalPrefix, 0) == 0) {  // this process's own RPCs to the partner: never a client's
     Finish(grpc::Status(grpc::StatusCode::UNIMPLEMENTED, "Method not found!"));
     return;
   }
-  if (!fe_->options.fast_path || method != kModelInfer) {
-    StartForward(false, false);
-    return;
-  }
-  // The fast path: the token before anything is read, then the RPC limit (a refused token holds no slot).
+  forward_ = std::make_unique<Forward>(fe_, this, ctx);
+  Ref();  // the forward's client side: its OnDone drops it
+  forward_->Start();
+}
+
+void Call::OnCancel() {
+  if (forward_ != nullptr) forward_->Cancel();
+}
+
+void Call::OnDone() {
+  fe_->live_calls.fetch_sub(1);
+  Unref();
+}
+
+// ---- InferCall -------------------------------------------------------------------------------------------------
+
+InferCall::InferCall(Frontend* fe, grpc::CallbackServerContext* ctx, const grpc::ByteBuffer* request,
+                     grpc::ByteBuffer* response)
+    : fe_(fe), ctx_(ctx), request_bb_(request), response_bb_(response) {
+  arrived_ns_ = MonotonicNs();
+  fe_->live_calls.fetch_add(1);
+  CallDeadline(ctx, arrived_ns_, &deadline, &timeout_s_);
+}
+
+void InferCall::Start() {
+  // The token before the message is parsed, then the RPC limit (a refused token holds no slot).
   if (fe_->tokens != nullptr && !Authorized()) {
     FinishFast(grpc::Status(grpc::StatusCode::UNAUTHENTICATED,
                             "missing or invalid credentials: send 'authorization: Bearer <token>' metadata"),
                0);
+    return;
+  }
+  if (!request_bb_->Valid()) {  // no message (the client half-closed at once): the partner answers that
+    StartForward();
     return;
   }
   if (fe_->fast_calls.fetch_add(1) >= fe_->options.max_concurrent_rpcs) {
@@ -226,10 +295,42 @@ Call::Call(Frontend* fe, grpc::GenericCallbackServerContext* ctx) : fe_(fe), ctx
     return;
   }
   holds_slot_ = true;
-  StartRead(&request_bb_);
+  // Parse from gRPC's buffer, which stays as it came: a request the fast path does not take goes on byte for byte.
+  // A large one's tensor stays in it (wire.h): protobuf parses the rest, and the tensor is copied once, from the
+  // buffer's slices into the arena; a small one (or one the walk refuses) protobuf parses whole.
+  bool parsed, split = false;
+  const bool large = request_bb_->Length() >= kWholeParseBytes;
+  if (large && SplitRawContents(*request_bb_, &split_)) {
+    split = true;
+    parsed = request_.ParseFromString(split_.rest);
+  } else {
+    if (large) split_ = SplitMessage();  // what a refused walk left
+    grpc::ProtoBufferReader reader(const_cast<grpc::ByteBuffer*>(request_bb_));  // (only read)
+    parsed = request_.ParseFromZeroCopyStream(&reader) && reader.status().ok();
+  }
+  Decoded d;
+  if (!parsed || !Eligible(request_, fe_->spec, &d, split ? &split_.raw_bytes : nullptr)) {
+    request_.Clear();
+    ReleaseSlot();
+    StartForward();
+    return;
+  }
+  decoded_ = true;
+  typed_ = d.typed;
+  datatype = d.datatype;
+  std::memcpy(shape, d.shape, sizeof(shape));
+  data = d.data;
+  nbytes = d.nbytes;
+  if (split) {
+    pieces = std::move(split_.pieces);
+    fe_->wire_tensors.fetch_add(1, std::memory_order_relaxed);
+    fe_->wire_slices.fetch_add(static_cast<int64_t>(pieces.size()), std::memory_order_relaxed);
+  }
+  const grpc::Status status = fe_->engines->Submit(this);
+  if (!status.ok()) FinishFast(status, 0);
 }
 
-bool Call::Authorized() const {
+bool InferCall::Authorized() const {
   const auto& metadata = ctx_->client_metadata();
   const grpc::string_ref key("authorization");
   const auto it = metadata.lower_bound(key);  // the first one, as the Python interceptor takes
@@ -237,86 +338,43 @@ bool Call::Authorized() const {
   return fe_->tokens->Admits(it->second.data(), it->second.size());
 }
 
-void Call::ReleaseSlot() {
+void InferCall::ReleaseSlot() {
   if (holds_slot_) {
     holds_slot_ = false;
     fe_->fast_calls.fetch_sub(1);
   }
 }
 
-grpc::StatusCode Call::CancelCode() const {
+grpc::StatusCode InferCall::CancelCode() const {
   if (std::isnan(deadline)) return grpc::StatusCode::CANCELLED;
   const double slack = std::max(kDeadlineSlackS, kDeadlineSlackShare * timeout_s_);
   return deadline - MonotonicSeconds() <= slack ? grpc::StatusCode::DEADLINE_EXCEEDED : grpc::StatusCode::CANCELLED;
 }
 
-void Call::OnReadDone(bool ok) {
-  if (mode_ == Mode::kForward) {
-    forward_->OnServerReadDone(ok);
-    return;
-  }
-  if (!ok) {
-    if (ctx_->IsCancelled()) {  // the client, its deadline, or a message over the size limit ended it
-      FinishFast(CancelledStatus(), 0);
-      return;
-    }
-    // Half-closed without a message: the partner answers that as the Python front end does.
-    ReleaseSlot();
-    StartForward(false, true);
-    return;
-  }
-  // Parse from gRPC's buffer, keeping it: a request the fast path does not take goes on byte for byte.
-  bool parsed;
-  {
-    grpc::ProtoBufferReader reader(&request_bb_);
-    parsed = request_.ParseFromZeroCopyStream(&reader) && reader.status().ok();
-  }
-  Decoded d;
-  if (!parsed || !Eligible(request_, fe_->spec, &d)) {
-    request_.Clear();
-    ReleaseSlot();
-    StartForward(true, false);
-    return;
-  }
-  request_bb_.Clear();  // the parsed request holds what is needed
-  decoded_ = true;
-  typed_ = d.typed;
-  datatype = d.datatype;
-  std::memcpy(shape, d.shape, sizeof(shape));
-  data = d.data;
-  nbytes = d.nbytes;
-  const grpc::Status status = fe_->engines->Submit(this);
-  if (!status.ok()) FinishFast(status, 0);
-}
-
-void Call::OnWriteDone(bool ok) {
-  if (mode_ == Mode::kForward) forward_->OnServerWriteDone(ok);
-}
-
-void Call::OnCancel() {
-  Forward* forward;
-  Mode mode;
+void InferCall::OnCancel() {
+  grpc::ClientContext* forward = nullptr;
   {
     std::lock_guard<std::mutex> l(mu_);
     cancelled_ = true;
-    forward = forward_.get();
-    mode = mode_;
+    if (forward_ != nullptr) forward = forward_->cctx.get();
   }
   if (forward != nullptr) {
-    forward->Cancel();
-  } else if (mode == Mode::kFast && fe_->engines->Cancel(this)) {
+    forward->TryCancel();
+  } else if (!decoded_) {
+    // Not on the fast path yet or any more: it ends another way (a forward that sees the cancellation).
+  } else if (fe_->engines->Cancel(this)) {
     // Waiting for room or sent to an engine: it has ended there (a CANCEL record went with it).
     FinishFast(CancelledStatus(), 0);
   }
-  // Otherwise it ends another way: a read that fails, Submit or the sender seeing the cancellation, a reply.
+  // Otherwise it ends another way: Submit or the sender seeing the cancellation, a reply.
 }
 
-void Call::OnDone() {
+void InferCall::OnDone() {
   fe_->live_calls.fetch_sub(1);
   Unref();
 }
 
-void Call::OnReply(const ReplyRecord& header, const char* payload) {
+void InferCall::OnReply(const ReplyRecord& header, const char* payload) {
   if (header.kind != kReplyOk) {  // the engine's status, as it comes (core.errors.Status.of: UNKNOWN for no code)
     const int code = header.code >= 1 && header.code <= 16 ? header.code : 2;
     FinishFast(grpc::Status(static_cast<grpc::StatusCode>(code), std::string(payload, header.payload_bytes)),
@@ -348,7 +406,7 @@ void Call::OnReply(const ReplyRecord& header, const char* payload) {
                  &response_);
   bool own = false;
   const grpc::Status serialized =
-      grpc::SerializationTraits<inference::ModelInferResponse>::Serialize(response_, &response_bb_, &own);
+      grpc::SerializationTraits<inference::ModelInferResponse>::Serialize(response_, response_bb_, &own);
   if (!serialized.ok()) {
     FinishFast(grpc::Status(grpc::StatusCode::INTERNAL, "inference failed inside the server; see its log"),
                header.queue_ns);
@@ -357,7 +415,7 @@ void Call::OnReply(const ReplyRecord& header, const char* payload) {
   FinishFast(grpc::Status::OK, header.queue_ns);
 }
 
-void Call::FinishFast(const grpc::Status& status, uint64_t queue_ns) {
+void InferCall::FinishFast(const grpc::Status& status, uint64_t queue_ns) {
   ReportRecord record{};
   const grpc::StatusCode code =
       status.error_code() == grpc::StatusCode::CANCELLED ? CancelCode() : status.error_code();
@@ -369,57 +427,63 @@ void Call::FinishFast(const grpc::Status& status, uint64_t queue_ns) {
   record.input_bytes = decoded_ ? static_cast<int64_t>(nbytes) : 0;
   fe_->reporter->Add(record);
   ReleaseSlot();
-  if (status.ok())
-    StartWriteAndFinish(&response_bb_, grpc::WriteOptions(), grpc::Status::OK);
-  else
-    Finish(status);
+  Finish(status);
 }
 
-void Call::StartForward(bool have_first, bool half_closed) {
+void InferCall::StartForward() {
+  std::unique_ptr<Forwarded> forward = std::make_unique<Forwarded>(this);
+  Forwarded* f = forward.get();
   bool cancelled;
-  Forward* forward;
   {
     std::lock_guard<std::mutex> l(mu_);
-    forward_ = std::make_unique<Forward>(fe_, this, ctx_);
-    forward = forward_.get();
-    mode_ = Mode::kForward;
+    forward_ = std::move(forward);
     cancelled = cancelled_;
   }
-  Ref();  // the forward's client side: its OnDone drops it
-  forward->Start(have_first ? &request_bb_ : nullptr, half_closed);
-  if (cancelled) forward->Cancel();  // cancelled before the forward existed
+  fe_->forwarded_calls.fetch_add(1);
+  f->lane = &fe_->partner->Pick();
+  f->lane->calls.fetch_add(1);
+  Ref();  // the forward's OnDone drops it
+  // Every operation started before the call: none is started from a reaction, so no hold is needed.
+  f->lane->stub->PrepareBidiStreamingCall(f->cctx.get(), kModelInfer, grpc::StubOptions(), f);
+  if (request_bb_->Valid())
+    f->StartWriteLast(request_bb_, grpc::WriteOptions());
+  else
+    f->StartWritesDone();  // as the client did
+  f->StartRead(response_bb_);
+  f->StartCall();
+  if (cancelled) f->cctx->TryCancel();  // cancelled before the forward existed
+}
+
+void InferCall::Forwarded::OnDone(const grpc::Status& status) {
+  InferCall* call = call_;
+  for (const auto& [key, value] : cctx->GetServerInitialMetadata())
+    if (Forwardable(key)) call->ctx_->AddInitialMetadata(Str(key), Str(value));
+  for (const auto& [key, value] : cctx->GetServerTrailingMetadata())
+    if (Forwardable(key)) call->ctx_->AddTrailingMetadata(Str(key), Str(value));
+  lane->calls.fetch_sub(1);
+  call->fe_->forwarded_calls.fetch_sub(1);
+  if (status.ok() && !call->response_bb_->Valid())  // (a partner's unary method always answers OK with a message)
+    call->Finish(grpc::Status(grpc::StatusCode::INTERNAL, "the partner answered OK without a message"));
+  else
+    call->Finish(status);
+  call->Unref();  // may delete the call, and this with it: the last thing done here
 }
 
 // ---- Forward ---------------------------------------------------------------------------------------------------
 
-Forward::Forward(Frontend* fe, Call* call, grpc::GenericCallbackServerContext* ctx) : fe_(fe), call_(call), ctx_(ctx) {
-  // The deadline and the cancellation travel with the call (a child call of the client's).
-  cctx_ = grpc::ClientContext::FromCallbackServerContext(*ctx);
-  for (const auto& [key, value] : ctx->client_metadata())
-    if (Forwardable(key)) cctx_->AddMetadata(Str(key), Str(value));
-  cctx_->AddMetadata(kPeerHeader, ctx->peer());
-}
+Forward::Forward(Frontend* fe, Call* call, grpc::GenericCallbackServerContext* ctx)
+    : fe_(fe), call_(call), ctx_(ctx), cctx_(PartnerContext(ctx)) {}
 
-void Forward::Start(grpc::ByteBuffer* first, bool half_closed) {
+void Forward::Start() {
   fe_->forwarded_calls.fetch_add(1);
   lane_ = &fe_->partner->Pick();
   lane_->calls.fetch_add(1);
   lane_->stub->PrepareBidiStreamingCall(cctx_.get(), ctx_->method(), grpc::StubOptions(), &client_);
   client_.AddMultipleHolds(2);  // up and down (see the class comment)
-  if (first != nullptr) {
-    up_.Swap(first);
-    up_state_ = Up::kPartnerWrite;
-  } else if (half_closed) {
-    up_state_ = Up::kClosed;
-  }
-  const Up up = up_state_;
   // The server read before the call starts: once it has, the partner may end it (and the server call) any time.
-  if (up == Up::kServerRead) call_->StartRead(&up_);
+  call_->StartRead(&up_);
   client_.StartRead(&down_);
-  if (up == Up::kPartnerWrite) client_.StartWrite(&up_);
-  if (up == Up::kClosed) client_.StartWritesDone();
   client_.StartCall();
-  if (up == Up::kClosed) client_.RemoveHold();
 }
 
 void Forward::OnServerReadDone(bool ok) {
@@ -521,6 +585,19 @@ void Forward::OnPartnerDone(const grpc::Status& status) {
 
 grpc::ServerGenericBidiReactor* Service::CreateReactor(grpc::GenericCallbackServerContext* ctx) {
   return new Call(fe_, ctx);
+}
+
+InferService::InferService(Frontend* fe) {
+  // A method without a handler, then given its raw callback handler (what protoc's WithRawCallbackMethod_ does
+  // for a service of its own; the other methods of GRPCInferenceService stay the generic service's).
+  AddMethod(new grpc::internal::RpcServiceMethod(kModelInfer, grpc::internal::RpcMethod::NORMAL_RPC, nullptr));
+  MarkMethodRawCallback(
+      0, new grpc::internal::CallbackUnaryHandler<grpc::ByteBuffer, grpc::ByteBuffer>(
+             [fe](grpc::CallbackServerContext* ctx, const grpc::ByteBuffer* request, grpc::ByteBuffer* response) {
+               auto* call = new InferCall(fe, ctx, request, response);
+               call->Start();
+               return call;
+             }));
 }
 
 }  // namespace voxserve

@@ -1,9 +1,10 @@
-// The calls on the public port. Every call, whatever its method, is served by one reactor of gRPC's callback API
-// (Call, made by the generic service in frontend.cc), which either
-// - answers it on the fast path: a ModelInfer that is plain and valid (fast_path.h) goes to the engines from here;
-// - forwards it to the partner, the Python front end on its private Unix socket (Forward): any other method,
-//   unary or streaming either way, and every ModelInfer the fast path does not take, message bytes unchanged; or
-// - refuses it: a client's call of a /voxserve.internal. method is UNIMPLEMENTED and never forwarded.
+// The calls on the public port, served by reactors of gRPC's callback API:
+// - ModelInfer (with the fast path on) is a raw unary method of its own (InferService: the message arrives as
+//   gRPC's buffer, not through a stream), whose reactor answers it on the fast path when it is plain and valid
+//   (fast_path.h), the engines answering, or else forwards it to the partner as one unary call, the same bytes;
+// - every other method reaches the generic service (Service), whose reactor forwards it to the partner, the
+//   Python front end on its private Unix socket, unary or streaming either way, message bytes unchanged, or
+//   refuses it: a client's call of a /voxserve.internal. method is UNIMPLEMENTED and never forwarded.
 //
 // No thread is made per call: reactions run on gRPC's callback threads, replies on the engines' reader threads.
 // Memory per call is its message (and one message in flight each way when forwarded); the calls themselves are
@@ -66,9 +67,11 @@ struct Frontend {
   std::atomic<int64_t> fast_calls{0};    // fast-path calls in progress (the --max-concurrent-rpcs bound)
   std::atomic<int64_t> forwarded_calls{0};
   std::atomic<int64_t> live_calls{0};    // reactors not yet done (the drain waits for 0)
+  // Fast-path tensors copied from the received message's slices (wire.h), and how many slices they lay in.
+  std::atomic<int64_t> wire_tensors{0}, wire_slices{0};
 };
 
-// The generic service: one Call per call.
+// The generic service: one reactor per call of any method but those of InferService.
 class Service final : public grpc::CallbackGenericService {
  public:
   explicit Service(Frontend* fe) : fe_(fe) {}
@@ -76,6 +79,13 @@ class Service final : public grpc::CallbackGenericService {
 
  private:
   Frontend* fe_;
+};
+
+// ModelInfer alone, as a raw unary callback method (its request and response as gRPC's buffers): registered only
+// with the fast path on (without it the generic service forwards ModelInfer as any other call).
+class InferService final : public grpc::Service {
+ public:
+  explicit InferService(Frontend* fe);
 };
 
 }  // namespace voxserve

@@ -220,7 +220,15 @@ void Engines::TransmitPlaced(const std::vector<EngineRequest*>& placed) {
 bool Engines::Transmit(EngineRequest* r) {
   // The one copy into the arena (remote.RemoteRunner._one). The block is this request's until the engine's reply,
   // and the engine reads it only once the record, sent after the copy, has come.
-  std::memcpy(arena_.At(r->position_), r->data, r->nbytes);
+  if (r->data != nullptr) {
+    std::memcpy(arena_.At(r->position_), r->data, r->nbytes);
+  } else {
+    uint8_t* to = arena_.At(r->position_);  // the pieces one after another
+    for (const auto& [piece, size] : r->pieces) {
+      std::memcpy(to, piece, size);
+      to += size;
+    }
+  }
   RequestRecord record{};
   record.kind = kInfer;
   record.datatype = r->datatype;

@@ -24,6 +24,7 @@
 #include <string>
 #include <thread>
 #include <unordered_map>
+#include <utility>
 #include <vector>
 
 #include "ipc.h"
@@ -46,7 +47,8 @@ class EngineRequest {
 
   uint8_t datatype = 0;  // index in kDatatypes
   uint64_t shape[5] = {};
-  const char* data = nullptr;
+  const char* data = nullptr;  // the tensor, whole; or null, and it is ``pieces``, in order
+  std::vector<std::pair<const char*, size_t>> pieces;
   size_t nbytes = 0;
   double deadline = 0;  // CLOCK_MONOTONIC seconds, NaN: none
 

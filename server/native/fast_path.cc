@@ -22,7 +22,8 @@ int TypedFields(const inference::InferTensorContents& c, bool* only_fp32) {
 
 }  // namespace
 
-bool Eligible(const inference::ModelInferRequest& r, const FastPathSpec& spec, Decoded* out) {
+bool Eligible(const inference::ModelInferRequest& r, const FastPathSpec& spec, Decoded* out,
+              const size_t* raw_outside) {
   // The model (codec.check_model), the id (inference.infer). Request-level parameters are ignored there, as here.
   if (r.model_name() != spec.model_name) return false;
   if (!r.model_version().empty() && r.model_version() != spec.model_version) return false;
@@ -54,12 +55,13 @@ bool Eligible(const inference::ModelInferRequest& r, const FastPathSpec& spec, D
   // exact count and no raw entry.
   bool only_fp32 = true;
   const int typed = TypedFields(t.contents(), &only_fp32);
-  if (r.raw_input_contents_size() > 0) {
-    if (typed != 0 || r.raw_input_contents_size() != 1) return false;
-    const std::string& raw = r.raw_input_contents(0);
-    if (count > SIZE_MAX / kItemsize[datatype] || raw.size() != count * kItemsize[datatype]) return false;
-    out->data = raw.data();
-    out->nbytes = raw.size();
+  const int raw_entries = r.raw_input_contents_size() + (raw_outside != nullptr);
+  if (raw_entries > 0) {
+    if (typed != 0 || raw_entries != 1) return false;
+    const size_t size = raw_outside != nullptr ? *raw_outside : r.raw_input_contents(0).size();
+    if (count > SIZE_MAX / kItemsize[datatype] || size != count * kItemsize[datatype]) return false;
+    out->data = raw_outside != nullptr ? nullptr : r.raw_input_contents(0).data();
+    out->nbytes = size;
     out->typed = false;
   } else {
     if (typed != 1 || !only_fp32 || datatype != 0) return false;

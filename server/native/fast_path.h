@@ -24,13 +24,16 @@ struct FastPathSpec {
 struct Decoded {
   uint8_t datatype = 0;   // index in kDatatypes
   uint64_t shape[5] = {};
-  const char* data = nullptr;  // raw_input_contents[0], or the typed FP32 values (inside the request message)
+  const char* data = nullptr;  // raw_input_contents[0], or the typed FP32 values (inside the request message);
+                               // null when the raw entry was outside the message (``raw_outside``)
   size_t nbytes = 0;
   bool typed = false;  // typed contents: the response is typed too
 };
 
-// Whether the fast path takes ``r``; its tensor in ``out`` when it does.
-bool Eligible(const inference::ModelInferRequest& r, const FastPathSpec& spec, Decoded* out);
+// Whether the fast path takes ``r``; its tensor in ``out`` when it does. ``raw_outside``: the size of the
+// request's one raw_input_contents entry, taken out of the message before it was parsed (wire.h), else null.
+bool Eligible(const inference::ModelInferRequest& r, const FastPathSpec& spec, Decoded* out,
+              const size_t* raw_outside = nullptr);
 
 // The rows of an (n, cout) FP32 output that are not finite, and the first of them (inference._check_finite).
 int64_t NonFiniteRows(const char* payload, uint64_t n, uint64_t cout, uint64_t* first);

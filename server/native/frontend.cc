@@ -12,7 +12,8 @@
 //   options.*    the command line (what the supervisor passes)
 //   engines.*    the engine connections, the arena, the requests in flight (remote.RemoteRunner's work)
 //   fast_path.*  which requests the fast path takes, and the responses it makes
-//   calls.*      the reactor of every call: fast path, forwarding to the partner, refusal
+//   wire.*       a large request's tensor located in its wire bytes (copied once, into the arena)
+//   calls.*      the reactors of the calls: ModelInfer's fast path, forwarding to the partner, refusal
 //   report.*     the fast path's accounting, sent to the partner
 //   security.*   tokens and TLS
 //
@@ -53,7 +54,9 @@ void OnSignal(int sig) {
 
 std::string Counters(voxserve::Frontend& fe) {
   return fe.engines->Counters() + ", fast-path calls in progress " + std::to_string(fe.fast_calls.load()) +
-         ", forwarded calls in progress " + std::to_string(fe.forwarded_calls.load()) + ", " +
+         ", forwarded calls in progress " + std::to_string(fe.forwarded_calls.load()) +
+         ", tensors from the wire " + std::to_string(fe.wire_tensors.load()) + ", their slices " +
+         std::to_string(fe.wire_slices.load()) + ", " +
          fe.reporter->Counters();
 }
 
@@ -116,6 +119,7 @@ int main(int argc, char** argv) {
   fe->reporter->Start();
 
   voxserve::Service service(fe.get());
+  voxserve::InferService infer_service(fe.get());
   grpc::ServerBuilder builder;
   int port = 0;
   builder.AddListeningPort(o.listen, credentials, &port);
@@ -125,6 +129,7 @@ int main(int argc, char** argv) {
     else
       builder.AddChannelArgument(arg.name, arg.string_value);
   }
+  if (o.fast_path) builder.RegisterService(&infer_service);
   builder.RegisterCallbackGenericService(&service);
   std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
   if (server == nullptr || port == 0) {

@@ -124,6 +124,26 @@ def typed_request(x: np.ndarray) -> pb.ModelInferRequest:
     return r
 
 
+def raw_field(raw: bytes) -> bytes:
+    """A raw_input_contents entry as its wire bytes (field 7, length-delimited)."""
+    return pb.ModelInferRequest(raw_input_contents=[raw]).SerializeToString()
+
+
+def reordered(req: pb.ModelInferRequest, where: str) -> bytes:
+    """``req``'s bytes with its one raw_input_contents entry first, or between its names and its tensors (the
+    concatenation of messages' bytes is their merge)."""
+    (raw,) = req.raw_input_contents
+    rest = pb.ModelInferRequest()
+    rest.CopyFrom(req)
+    rest.ClearField("raw_input_contents")
+    if where == "first":
+        return raw_field(raw) + rest.SerializeToString()
+    names = pb.ModelInferRequest(model_name=rest.model_name, id=rest.id).SerializeToString()
+    rest.ClearField("model_name")
+    rest.ClearField("id")
+    return names + raw_field(raw) + rest.SerializeToString()
+
+
 def reports_settled(partner: Partner, count: int):
     return lambda: len(partner.report_records()) >= count
 
@@ -134,21 +154,26 @@ def reports_settled(partner: Partner, count: int):
 def test_fast_path_answers_are_the_python_front_ends_to_the_bit(binary, real, partner):
     server, engine_socket = real
     rng = np.random.default_rng()
-    cases = []
+    cases = []  # (the input, the request, its bytes)
     for datatype in ("FP32", "FP16", "BF16"):
-        for shape in ((1, 3, 3, 3, 3), (2, 3, 5, 4, 6), (3, 3, 8, 9, 7)):
+        # the last shape's tensor (over 32 KiB) is taken from the message's slices, the others parsed with it
+        for shape in ((1, 3, 3, 3, 3), (2, 3, 5, 4, 6), (3, 3, 8, 9, 7), (2, 3, 12, 20, 24)):
             x = rng.standard_normal(shape, dtype=np.float32) * 3
-            cases.append((x, build_request(x, "voxnet", datatype, request_id=f"{datatype}-{shape[0]}")))
+            req = build_request(x, "voxnet", datatype, request_id=f"{datatype}-{shape[0]}")
+            cases.append((x, req, req.SerializeToString()))
+    x = rng.standard_normal((2, 3, 12, 20, 24), dtype=np.float32)
+    req = build_request(x, "voxnet", "FP32", request_id="reordered")
+    for order in ("first", "middle"):  # raw_input_contents not last
+        cases.append((x, req, reordered(req, order)))
     x = rng.standard_normal((2, 3, 4, 4, 4), dtype=np.float32)
-    cases.append((x, typed_request(x)))
+    cases.append((x, typed_request(x), typed_request(x).SerializeToString()))
     versioned = build_request(x, "voxnet", "FP32")
     versioned.model_version = "1"
     versioned.ClearField("outputs")  # no output requested: the same answer
-    cases.append((x, versioned))
+    cases.append((x, versioned, versioned.SerializeToString()))
     W, B = reference_weights()
     with native(binary, [engine_socket], partner) as fe:
-        for x, req in cases:
-            payload = req.SerializeToString()
+        for x, req, payload in cases:
             code_a, _, a, _, _ = infer(server.url, payload)
             code_b, details, b, _, _ = infer(fe.url, payload)
             assert (code_a, code_b) == (OK, OK), details
@@ -161,7 +186,10 @@ def test_fast_path_answers_are_the_python_front_ends_to_the_bit(binary, real, pa
             if req.inputs[0].datatype == "FP32":
                 assert relative_error(torch.from_numpy(y), reference_float64(torch.from_numpy(x), W, B)) <= 1e-5
         assert partner.received(INFER) == []  # every one on the fast path
-        assert fe.counters()["infer records"] == len(cases)
+        counters = fe.counters()
+        assert counters["infer records"] == len(cases)
+        assert counters["tensors from the wire"] == 5  # the large ones
+        assert counters["their slices"] > 5
 
 
 def test_a_non_finite_output_is_the_python_front_ends_invalid_argument(binary, real, partner):
@@ -700,3 +728,62 @@ def test_concurrent_builds_wait_for_each_other(binary, monkeypatch, tmp_path):
         t.join()
     assert len(compiled) == 1 and len(set(results)) == 1 and results[0].exists()
 
+
+
+def test_a_model_infer_without_a_message_reaches_the_partner(binary, engine, partner):
+    """A client that half-closes without sending anything: the partner answers it (it has no message to parse)."""
+    with native(binary, [engine.path], partner) as fe, grpc.insecure_channel(fe.url) as channel:
+        with pytest.raises(grpc.RpcError) as exc:
+            channel.stream_unary(INFER)(iter([]), timeout=30)
+        # the partner's gRPC answers it before any handler of its own runs
+        assert exc.value.code() == grpc.StatusCode.UNIMPLEMENTED
+        assert "requires exactly one request message" in exc.value.details()
+        assert infer(fe.url, request().SerializeToString())[0] == OK  # and the next call is served
+    assert len(engine.infers()) == 1
+
+
+# --- a large request's tensor, taken from the message's bytes ------------------------------------------------------
+
+
+def test_a_large_tensor_is_copied_from_the_messages_slices_wherever_it_lies(binary, engine, partner):
+    req = request((4, 3, 32, 32, 32), seed=5)  # 1.5 MiB: received in many slices
+    (raw,) = req.raw_input_contents
+    payloads = [req.SerializeToString(), reordered(req, "first"), reordered(req, "middle")]
+    # Not a sequence of fields the walk takes, but messages protobuf takes (an unknown field): parsed whole, and
+    # served just the same.
+    group = b"\xa3\x06\x08\x01\xa4\x06"  # field 100, a group holding field 1 = 1
+    payloads.append(req.SerializeToString() + group)
+    payloads.append(req.SerializeToString() + b"\x38\x01")  # field 7 as a varint
+    with native(binary, [engine.path], partner) as fe:
+        for payload in payloads:
+            code, details, response, _, _ = infer(fe.url, payload)
+            assert code == OK, details
+            assert parse_response(pb.ModelInferResponse.FromString(response)).shape == (4, 16)
+        counters = fe.counters()
+        assert counters["tensors from the wire"] == 3
+        assert counters["their slices"] > 3 * 4  # (each tensor lay in many)
+    assert [r.data == raw for r in engine.infers()] == [True] * 5
+    assert [r.shape for r in engine.infers()] == [(4, 3, 32, 32, 32)] * 5
+    assert partner.received(INFER) == []
+
+
+def test_large_requests_the_walk_refuses_or_protobuf_rejects_reach_the_partner_unchanged(binary, engine, partner):
+    req = request((2, 3, 16, 16, 16), seed=6)  # 96 KiB
+    payload = req.SerializeToString()
+    cases = {
+        "raw_input_contents twice": payload + raw_field(req.raw_input_contents[0]),
+        "wire type 7": payload + b"\x0f\x00",
+        "cut short": payload[:-1],
+        "a length past the end": payload + b"\x1a\x05ab",
+        "an input that does not parse": payload + b"\x2a\x02\xff\xff",  # walked, then refused by protobuf
+    }
+    with native(binary, [engine.path], partner) as fe:
+        for name, body in cases.items():
+            code, _, response, initial, trailing = infer(fe.url, body)
+            assert (code, response) == (OK, b"partner:" + body), name
+            assert (initial.get("x-initial"), trailing.get("x-trailer")) == ("i1", "t1"), name
+        partner.fail = (grpc.StatusCode.INVALID_ARGUMENT, "the partner's parse error")
+        assert infer(fe.url, cases["cut short"])[:2] == (INVALID_ARGUMENT, "the partner's parse error")
+        assert fe.counters()["tensors from the wire"] == 0
+    assert engine.infers() == []
+    assert [c.messages for c in partner.received(INFER)] == [[b] for b in cases.values()] + [[cases["cut short"]]]
