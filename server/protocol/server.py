@@ -61,9 +61,9 @@ class GrpcServer:
     def __init__(self, settings: Settings, control: ControlService, inference: InferenceService, shares_port: bool,
                  on_refused: Callable[[str, str], None], partner: bool = False) -> None:
         self.settings = settings
-        # The partner of a native front end (partner.py): served on a private Unix socket, without TLS (the native
-        # front end terminates it), its clients named by the native front end, which reports what it served itself.
-        self.partner = partner
+        # ``partner``: the partner of a native front end (partner.py), served on a private Unix socket (bind_socket)
+        # without TLS (the native front end terminates it), its clients named by the native front end, which
+        # reports what it served itself.
         self.health = HealthServicer(settings.stream_idle_timeout_s)
         options = grpc_options(settings, shares_port)
         interceptors = []
@@ -83,10 +83,8 @@ class GrpcServer:
                                   forwarded_peer if partner else None)
         add_to_server(control, inference, self.server, self.limiter)
         self._add_health_and_reflection()
-        self.reports: Reports | None = None
         if partner:
-            self.reports = Reports(inference)
-            self.server.add_generic_rpc_handlers((self.reports.handler(),))
+            self.server.add_generic_rpc_handlers((Reports(inference).handler(),))
 
     @property
     def secure(self) -> bool:
