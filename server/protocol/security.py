@@ -114,13 +114,18 @@ def server_ssl_context(cert_file: str | None, key_file: str | None,
     return context
 
 
+def token_digest(token: bytes) -> bytes:
+    """What a bearer token is compared as (its SHA-256): here, and by the native front ends (topology/native.py)."""
+    return hashlib.sha256(token).digest()
+
+
 class BearerTokens:
     """The accepted bearer tokens, checked in constant time: tokens are compared as SHA-256 digests with
     ``hmac.compare_digest`` against every accepted token, so the time taken depends on neither the presented
     token's length nor how much of it matched."""
 
     def __init__(self, tokens: list[bytes]) -> None:
-        self._digests = [hashlib.sha256(t).digest() for t in tokens]
+        self._digests = [token_digest(t) for t in tokens]
 
     def admits(self, authorization: str | bytes | None) -> bool:
         """Whether an ``authorization`` value (``Bearer <token>``, the scheme in any case) carries an accepted
@@ -131,7 +136,7 @@ class BearerTokens:
             scheme, _, token = raw.partition(b" ")
             if scheme.lower() == b"bearer":
                 presented = token.strip()
-        digest = hashlib.sha256(presented).digest()
+        digest = token_digest(presented)
         ok = False
         for accepted in self._digests:
             ok |= hmac.compare_digest(digest, accepted)

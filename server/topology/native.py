@@ -6,7 +6,6 @@ as flags: the same limits and messages, the same gRPC options as a Python front 
 
 from __future__ import annotations
 
-import hashlib
 import os
 from collections.abc import Sequence
 from pathlib import Path
@@ -26,7 +25,7 @@ def write_token_digests(settings: Settings, run_dir: str) -> str | None:
         return None
     path = os.path.join(run_dir, TOKEN_DIGESTS)
     tokens = security.load_tokens(settings.auth_token_file)
-    digests = "".join(hashlib.sha256(token).hexdigest() + "\n" for token in tokens)
+    digests = "".join(security.token_digest(token).hex() + "\n" for token in tokens)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     with os.fdopen(fd, "w") as out:
         out.write(digests)
