@@ -209,23 +209,24 @@ def triton_rows(args, out: dict[str, list[LevelResult]], full: np.ndarray, notes
                      "are below")
 
 
-def frontend_configurations(args) -> list[tuple[str, list[str]]]:
-    """The front-end configurations asked for: (rows' name, `voxserve serve` flags)."""
+def frontend_configurations(args) -> list[tuple[str, int, list[str]]]:
+    """The front-end configurations asked for: (rows' name, front ends, `voxserve serve` flags)."""
     configurations = []
     if args.frontends:
-        configurations.append((f"voxserve --frontends {args.frontends}", ["--frontends", str(args.frontends)]))
+        configurations.append((f"voxserve --frontends {args.frontends}", args.frontends, []))
     if args.native_frontends:
-        configurations.append((f"voxserve --frontends {args.native_frontends}, native",
-                               ["--frontends", str(args.native_frontends), "--frontend-impl", "native"]))
+        configurations.append((f"voxserve --frontends {args.native_frontends}, native", args.native_frontends,
+                               ["--frontend-impl", "native"]))
     return configurations
 
 
-def frontend_rows(args, out: dict[str, list[LevelResult]], serve: list[str], fe: str, flags: list[str],
-                  payloads: tuple, notes: list[str]) -> None:
-    """The rows of voxserve with front ends (``flags``), named ``fe``, with and without batching."""
+def frontend_rows(args, out: dict[str, list[LevelResult]], serve: list[str], fe: str, frontends: int,
+                  flags: list[str], payloads: tuple, notes: list[str]) -> None:
+    """The rows of voxserve with ``frontends`` front ends (and ``flags``), named ``fe``, with and without batching."""
     full, fp32, fp16, single, n32, n16, n1 = payloads
     d, load = args.duration, (args.processes, args.connections)
-    spread = max(4, int(flags[1]))  # connections, so that every front end gets some
+    spread = max(4, frontends)  # connections, so that every front end gets some
+    flags = ["--frontends", str(frontends), *flags]
     with ServerProcess([*serve, *flags]) as vox:
         for c in args.full_concurrency:
             out["full"].append(level(vox.url, fp32, args.batch, n32, c, fe, d, 1, spread))
@@ -284,8 +285,8 @@ def run(args, notes: list[str], checkpoint: Callable[[dict[str, list[LevelResult
     with ServerProcess([*serve, "--no-batching"]) as vox:
         out["batch1"].append(level(vox.url, single, 1, n1, 64, "voxserve, no batching", d, *load))
     checkpoint(out)
-    for name, flags in frontend_configurations(args):
-        frontend_rows(args, out, serve, name, flags, payloads, notes)
+    for name, frontends, flags in frontend_configurations(args):
+        frontend_rows(args, out, serve, name, frontends, flags, payloads, notes)
         checkpoint(out)
     if args.triton:
         triton_rows(args, out, full, notes, checkpoint)
@@ -362,7 +363,7 @@ def render(args, out: dict[str, list[LevelResult]], device: str, seconds: float,
     target("shared memory vs raw gRPC ceiling, samples/s", ratio(_best(out["shm"], "voxserve"), raw), 5.0,
            ">= 5x (GPU box)")
     b1 = {r.target: r for r in out["batch1"]}
-    fronts = [name for name, _ in frontend_configurations(args)]
+    fronts = [name for name, _, _ in frontend_configurations(args)]
     for server in ["voxserve", *fronts]:
         on, off = b1.get(server), b1.get(f"{server}, no batching")
         if on and off:

@@ -400,9 +400,9 @@ class InferenceService:
         m, stats = self.metrics.series, self.state.stats
         ok = codes == Status.OK.value
         if ok.any():
-            stats.record_success(int(samples[ok].sum()), int(elapsed_ns[ok].sum()), int(queue_ns[ok].sum()),
-                                 int(ok.sum()))
-            m.samples.inc(int(samples[ok].sum()))
+            served_samples = int(samples[ok].sum())
+            stats.record_success(served_samples, int(elapsed_ns[ok].sum()), int(queue_ns[ok].sum()), int(ok.sum()))
+            m.samples.inc(served_samples)
         if not ok.all():
             stats.record_failure(int(elapsed_ns[~ok].sum()), int((~ok).sum()))
         if input_bytes.any():
