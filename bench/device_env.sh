@@ -1,7 +1,7 @@
 # Source on the device machine (repository root) to make `voxserve` importable from any directory:
 # installs the carried wheels (.whl/) and the package, or lays the package out with links when pip
 # cannot install it offline. Used by the device_*.sh scripts.
-# .whl-tools/ (hypothesis for the tests, py-spy for the probes) travels only with the calls that need it, so that a
+# .whl-tools/ (what only the tests and probes import: bench/device_wheels.sh) travels only with the calls that need it, so that a
 # service benchmark's call has room for its peers.
 if compgen -G ".whl/*.whl" > /dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
