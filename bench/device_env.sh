@@ -6,7 +6,7 @@
 if compgen -G ".whl/*.whl" > /dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     $(compgen -G ".whl-tools/*.whl")
-  export PYTHONPATH=/tmp/site
+  export PYTHONPATH=/tmp/site PATH=/tmp/site/bin:$PATH  # bin: console scripts such as py-spy
 fi
 if ! python3 -m pip install -q --no-index --no-build-isolation --no-deps -e . 2>&1 | tail -2 \
     || ! python3 -c "import voxserve.server.app" 2>/dev/null; then
