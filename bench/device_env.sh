@@ -1,12 +1,12 @@
 # Source on the device machine (repository root) to make `voxserve` importable from any directory:
 # installs the carried wheels (.whl/) and the package, or lays the package out with links when pip
 # cannot install it offline. Used by the device_*.sh scripts.
-# .whl-tools/ (hypothesis for the tests, py-spy for the probes) travels only with the calls that need it, so that a
+# .whl-tools/ (what only the tests and probes import: bench/device_wheels.sh) travels only with the calls that need it, so that a
 # service benchmark's call has room for its peers.
 if compgen -G ".whl/*.whl" > /dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     $(compgen -G ".whl-tools/*.whl")
-  export PYTHONPATH=/tmp/site
+  export PYTHONPATH=/tmp/site PATH=/tmp/site/bin:$PATH  # bin: console scripts such as py-spy
 fi
 if ! python3 -m pip install -q --no-index --no-build-isolation --no-deps -e . 2>&1 | tail -2 \
     || ! python3 -c "import voxserve.server.app" 2>/dev/null; then

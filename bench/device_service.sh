@@ -10,6 +10,7 @@
 #   Native front ends: .native/voxserve-native.tar.xz from bash bench/native_carry.sh (the binary and the libraries
 #             it needs beyond the device's image, ~6 MB); NATIVE_FRONTENDS=N (default: FRONTENDS) adds the rows of
 #             --frontend-impl native.
+#   ENGINES=N (default 1): engine processes behind the front ends (--replicas N; on one GPU they share it).
 # Writes $OUT/service-<device>.md and $OUT/service.log. The whole run stays within LIMIT_S (590) seconds.
 set -uo pipefail
 OUT=${OUT:-$PWD/device-out}
@@ -41,5 +42,5 @@ left=$(( ${LIMIT_S:-590} - SECONDS ))
 echo "service_bench: ${left} s left; MLServer: ${MLS[*]:-not run}; Triton: ${TRITON[*]:-not carried}; native: ${NATIVE[*]:-not carried}"
 PYTHONUNBUFFERED=1 timeout "$left" python3 bench/service_bench.py --frontends "${FRONTENDS:-6}" --processes 8 \
   --connections 16 --full-concurrency "${FULL_CONCURRENCY:-1,4,16}" --duration "${DURATION:-5}" "${MLS[@]}" \
-  "${TRITON[@]}" "${NATIVE[@]}" --out "$OUT/service-$name.md" > /dev/null
+  "${TRITON[@]}" "${NATIVE[@]}" --engines "${ENGINES:-1}" --out "$OUT/service-$name.md" > /dev/null
 tail -20 "$OUT/service-$name.md"

@@ -212,11 +212,13 @@ def triton_rows(args, out: dict[str, list[LevelResult]], full: np.ndarray, notes
 def frontend_configurations(args) -> list[tuple[str, int, list[str]]]:
     """The front-end configurations asked for: (rows' name, front ends, `voxserve serve` flags)."""
     configurations = []
+    engines = ["--replicas", str(args.engines)] if args.engines > 1 else []
+    suffix = f", {args.engines} engines" if engines else ""
     if args.frontends:
-        configurations.append((f"voxserve --frontends {args.frontends}", args.frontends, []))
+        configurations.append((f"voxserve --frontends {args.frontends}{suffix}", args.frontends, engines))
     if args.native_frontends:
-        configurations.append((f"voxserve --frontends {args.native_frontends}, native", args.native_frontends,
-                               ["--frontend-impl", "native"]))
+        configurations.append((f"voxserve --frontends {args.native_frontends}, native{suffix}", args.native_frontends,
+                               ["--frontend-impl", "native", *engines]))
     return configurations
 
 
@@ -410,6 +412,8 @@ def main() -> int:
                         help="also run voxserve with --frontends N (its own rows in every table)")
     parser.add_argument("--native-frontends", type=int, default=0,
                         help="also run voxserve with --frontends N --frontend-impl native (rows of their own)")
+    parser.add_argument("--engines", type=int, default=1,
+                        help="engine processes behind the front ends (--replicas N; on one GPU they share it)")
     parser.add_argument("--processes", type=int, default=1, help="load processes of the batch-1 client")
     parser.add_argument("--connections", type=int, default=1, help="connections of the batch-1 client")
     parser.add_argument("--triton", nargs="?", const="auto", default=None, metavar="WHEEL",

@@ -157,6 +157,8 @@ class _HostWeights:
     Keyed by the tensors' storage and version counter; the cache holds the
     tensors themselves so that their memory cannot be reused by other tensors
     while an entry lives, and an in-place update bumps the version (a new entry).
+    Device addresses are unique across devices (unified addressing), so the key
+    needs no device. Lookups take no lock (one dict read); inserts do.
     """
 
     def __init__(self, capacity: int = 4) -> None:
@@ -166,13 +168,12 @@ class _HostWeights:
 
     def get(self, weight: torch.Tensor, bias: torch.Tensor):
         try:
-            key = (weight.data_ptr(), weight._version, bias.data_ptr(), bias._version, weight.device)
+            key = (weight.data_ptr(), weight._version, bias.data_ptr(), bias._version)
         except RuntimeError:  # inference-mode tensors have no version counter: never cache them
             key = None
-        with self._lock:
-            if key is not None and key in self._entries:
-                self._entries.move_to_end(key)
-                return self._entries[key][2:]
+        entry = self._entries.get(key) if key is not None else None
+        if entry is not None:
+            return entry[2], entry[3]
         if torch.cuda.is_current_stream_capturing():
             raise RuntimeError("voxserve::fused_forward: run the op once outside CUDA graph capture first, so the "
                                "weights' host copy exists (a copy during capture would synchronise)")
@@ -184,21 +185,34 @@ class _HostWeights:
                 self._entries[key] = entry
                 while len(self._entries) > self._capacity:
                     self._entries.popitem(last=False)
-        return entry[2:]
+        return w_host, b_host
 
 
 _host_weights = _HostWeights()
 
 
+def _check_devices(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> None:
+    if weight.get_device() != x.get_device() or bias.get_device() != x.get_device():
+        raise ValueError(f"weight and bias must be on x's device ({x.device}); got {weight.device} and {bias.device}")
+
+
 class _Prepared:
-    """What forward() works out once per (input shape, strides, dtype, weight shape): the ctypes arrays, the
-    workspace size and whether the specialised kernel runs."""
+    """What forward() works out once per argument layout (the key of _layout_key), after checking the arguments
+    as the op does: the ctypes arrays, the workspace size, whether the specialised kernel runs and the launch's
+    fixed integer arguments."""
 
-    __slots__ = ("cout", "fallback", "floats", "k", "n", "sizes", "specialised", "strides")
+    __slots__ = ("cout", "device", "dtype_code", "fallback", "floats", "index", "k", "n", "out_shape",
+                 "precision_code", "sizes", "specialised", "strides")
 
-    def __init__(self, lib, x: torch.Tensor, weight: torch.Tensor) -> None:
+    def __init__(self, lib, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, precision: str) -> None:
+        ops.check_arguments(x, weight, bias)
+        check_precision(precision)
+        _check_devices(x, weight, bias)
         self.n, cin = int(x.shape[0]), int(x.shape[1])
         self.cout, self.k = int(weight.shape[0]), int(weight.shape[2])
+        self.out_shape = (self.n, self.cout)
+        self.device, self.index = x.device, x.get_device()
+        self.dtype_code, self.precision_code = _DTYPE_CODES[x.dtype], _PRECISION_CODES[precision]
         self.specialised = bool(lib.voxserve_is_specialised(cin, self.cout, self.k))
         # Beyond the kernel's register budget: the reference on the GPU, same numbers, slower.
         self.fallback = self.cout > GENERAL_MAX_COUT and not self.specialised
@@ -210,39 +224,46 @@ class _Prepared:
 
 
 _prepared: dict[tuple, _Prepared] = {}
-MAX_PREPARED = 256  # distinct input layouts remembered (then forgotten all at once)
+MAX_PREPARED = 256  # distinct argument layouts remembered (then forgotten all at once)
+_FLOAT32 = torch.float32
+# The current stream's raw handle by device index: PyTorch's own fast accessor where it has one (what its
+# compiled code calls), else the public one.
+_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None) or (
+    lambda index: torch.cuda.current_stream(index).cuda_stream)
 
 
 def forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, variant: int = 0,
             precision: str = "fp32") -> torch.Tensor:
-    """Launch the fused kernel on PyTorch's current stream; (N, Cout) float32 on x's device."""
-    check_precision(precision)
+    """Launch the fused kernel on PyTorch's current stream; (N, Cout) float32 on x's device.
+
+    The arguments are checked as the op checks them (shapes, dtypes, precision) and against x's device once
+    per layout: a call whose layout was seen before goes straight to the launch.
+    """
     lib = _library.lib if _library is not None else library().lib
-    key = (x.shape, x.stride(), weight.shape)
+    key = (x.shape, x.stride(), x.dtype, x.get_device(), weight.shape, weight.dtype, weight.get_device(),
+           bias.shape, bias.dtype, bias.get_device(), precision)
     prep = _prepared.get(key)
     if prep is None:
-        prep = _Prepared(lib, x, weight)
+        prep = _Prepared(lib, x, weight, bias, precision)
         if len(_prepared) >= MAX_PREPARED:
             _prepared.clear()
         _prepared[key] = prep
     if prep.fallback:
-        return reference(x.to(torch.float32), weight, bias)
-    if weight.dtype != torch.float32 or not weight.is_contiguous():
-        weight = weight.to(torch.float32).contiguous()
-    if bias.dtype != torch.float32 or not bias.is_contiguous():
-        bias = bias.to(torch.float32).contiguous()
-    out = torch.empty((prep.n, prep.cout), device=x.device, dtype=torch.float32)
-    workspace = torch.empty(prep.floats, device=x.device, dtype=torch.float32)
+        return reference(x.to(_FLOAT32), weight, bias)
+    if not weight.is_contiguous():
+        weight = weight.contiguous()
+    if not bias.is_contiguous():
+        bias = bias.contiguous()
+    out = torch.empty(prep.out_shape, device=prep.device, dtype=_FLOAT32)
+    workspace = torch.empty(prep.floats, device=prep.device, dtype=_FLOAT32)
     w_host_ptr = b_host_ptr = None
     if prep.specialised:
         w_host, b_host = _host_weights.get(weight, bias)
         w_host_ptr, b_host_ptr = w_host.data_ptr(), b_host.data_ptr()
-    index = x.device.index or 0
-    stream = torch.cuda.current_stream(index).cuda_stream
     rc = lib.voxserve_forward(
-        x.data_ptr(), _DTYPE_CODES[x.dtype], prep.sizes, prep.strides, prep.cout, prep.k, weight.data_ptr(),
+        x.data_ptr(), prep.dtype_code, prep.sizes, prep.strides, prep.cout, prep.k, weight.data_ptr(),
         bias.data_ptr(), w_host_ptr, b_host_ptr, out.data_ptr(), workspace.data_ptr(), variant,
-        _PRECISION_CODES[precision], index, stream)
+        prep.precision_code, prep.index, _raw_stream(prep.index))
     if rc != 0:
         raise RuntimeError(f"voxserve::fused_forward: {lib.voxserve_last_error().decode()}")
     return out

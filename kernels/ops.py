@@ -153,7 +153,8 @@ def _(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, precision: str 
 
 
 # The op's CUDA kernel (set by cuda.py): eager calls on plain CUDA tensors go to it directly, since the
-# dispatcher's round trip through a Python custom op costs more host time than the launch itself.
+# dispatcher's round trip through a Python custom op costs more host time than the launch itself. It checks
+# its arguments as check_arguments and check_precision do, once per argument layout (cuda.forward).
 _cuda_kernel: Callable[..., torch.Tensor] | None = None
 
 
@@ -164,11 +165,13 @@ def fused_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, pre
     need not be contiguous; weight and bias are float32 on x's device.
     precision: "fp32" (default) or "tf32" (PRECISIONS).
     """
-    check_arguments(x, weight, bias)
-    check_precision(precision)
-    if (_cuda_kernel is not None and type(x) is torch.Tensor and x.is_cuda and not torch.compiler.is_compiling()
-            and not (x.requires_grad or weight.requires_grad or bias.requires_grad)):
+    kernel = _cuda_kernel
+    if (kernel is not None and type(x) is torch.Tensor and x.is_cuda
+            and not (x.requires_grad or weight.requires_grad or bias.requires_grad)
+            and not torch.compiler.is_compiling()):
         # What the dispatcher would call, without it: under torch.compile, fake tensors, or autograd the op
         # goes through torch.ops as usual.
-        return _cuda_kernel(x, weight, bias, precision)
+        return kernel(x, weight, bias, precision)
+    check_arguments(x, weight, bias)
+    check_precision(precision)
     return torch.ops.voxserve.fused_forward(x, weight, bias, precision)

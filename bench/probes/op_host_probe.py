@@ -4,6 +4,9 @@ Rows: a plain torch launch (for scale), ``kernels.cuda.forward`` (the ctypes lau
 ``torch.ops.voxserve.fused_forward`` (the dispatcher),
 ``kernels.fused_forward`` (the public function: eager CUDA calls skip the dispatcher), and eager PyTorch's
 whole five-op model. Each: ``--calls`` calls enqueued back to back after a warm-up, wall time per call.
+Then the parts of one ``kernels.cuda.forward`` call, each timed alone the same way: its argument-layout
+lookup, the two allocations, the weights' host copy lookup, the current stream, and the library call with its
+arguments ready (the two kernel launches).
 
     python bench/probes/op_host_probe.py [--calls 5000]
 """
@@ -50,6 +53,37 @@ def main() -> None:
     print("|---|---:|")
     for name, fn in rows:
         print(f"| {name} | {per_call_us(fn, args.calls):.1f} |", flush=True)
+    print()
+    print("| part of kernels.cuda.forward | host us per call |")
+    print("|---|---:|")
+    for name, fn in launch_parts(x, w, b):
+        print(f"| {name} | {per_call_us(fn, args.calls):.1f} |", flush=True)
+
+
+def launch_parts(x, w, b):
+    """Each step of kernels.cuda.forward on its own, as it runs for a layout seen before."""
+    fused_cuda.forward(x, w, b)
+    lib = fused_cuda.library().lib
+    key = lambda: (x.shape, x.stride(), x.dtype, x.get_device(), w.shape, w.dtype, w.get_device(),  # noqa: E731
+                   b.shape, b.dtype, b.get_device(), "fp32")
+    prep = fused_cuda._prepared[key()]
+    out = torch.empty(prep.out_shape, device=prep.device)
+    workspace = torch.empty(prep.floats, device=prep.device)
+    w_host, b_host = fused_cuda._host_weights.get(w, b)
+    stream = fused_cuda._raw_stream(prep.index)
+    args = (x.data_ptr(), prep.dtype_code, prep.sizes, prep.strides, prep.cout, prep.k, w.data_ptr(), b.data_ptr(),
+            w_host.data_ptr(), b_host.data_ptr(), out.data_ptr(), workspace.data_ptr(), 0, prep.precision_code,
+            prep.index, stream)
+    return [
+        ("layout key and lookup", lambda: fused_cuda._prepared.get(key())),
+        ("torch.empty of the output", lambda: torch.empty(prep.out_shape, device=prep.device, dtype=torch.float32)),
+        ("torch.empty of the workspace", lambda: torch.empty(prep.floats, device=prep.device, dtype=torch.float32)),
+        ("weights' host copy lookup", lambda: fused_cuda._host_weights.get(w, b)),
+        ("current raw stream", lambda: fused_cuda._raw_stream(prep.index)),
+        ("five data_ptr() calls", lambda: (x.data_ptr(), w.data_ptr(), b.data_ptr(), out.data_ptr(),
+                                           workspace.data_ptr())),
+        ("voxserve_forward, arguments ready (two launches)", lambda: lib.voxserve_forward(*args)),
+    ]
 
 
 if __name__ == "__main__":

@@ -217,6 +217,35 @@ def test_eager_calls_skip_the_dispatcher_with_the_same_bits(rng, monkeypatch):
     assert len(calls) == 4
 
 
+def test_eager_path_refuses_what_the_op_refuses_after_a_good_call(rng):
+    # The eager launch checks a layout's arguments once: a call that differs from a good one in any checked
+    # property (shape, dtype, device, precision) is a new layout, checked again, and refused as the op refuses it.
+    w, b = _weights(rng, 16, 3, 3)
+    x = torch.randn(2, 3, 6, 7, 8, generator=rng).to(DEV)
+    good = fused_forward(x, w, b)
+    bad_calls = [
+        ((x, w, b[:8]), "bias must be"),
+        ((x, w, b.to(torch.float64)), "must be float32"),
+        ((x, w.to(torch.float16), b), "must be float32"),
+        ((x[:, :2], w, b), "channels"),
+        ((x.to(torch.int32), w, b), "float32, float16 or bfloat16"),
+        ((x[:, :, :2], w, b), "smaller than the kernel size"),
+        ((x, w.cpu(), b), "x's device"),
+        ((x, w, b.cpu()), "x's device"),
+    ]
+    for args, message in bad_calls:
+        with pytest.raises(ValueError, match=message):
+            fused_forward(*args)
+        with pytest.raises(ValueError, match=message):
+            cuda_kernels.forward(*args)
+    with pytest.raises(ValueError, match="precision"):
+        fused_forward(x, w, b, "fp16")
+    with pytest.raises(ValueError, match="precision"):
+        torch.ops.voxserve.fused_forward(x, w, b, "fp16")
+    torch.cuda.synchronize()  # nothing refused was launched: no error is pending on the context
+    assert torch.equal(fused_forward(x, w, b), good)
+
+
 def test_opcheck_cuda(rng):
     for cout, cin, k in ((16, 3, 3), (5, 2, 2)):
         w, b = _weights(rng, cout, cin, k)
