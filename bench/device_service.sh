@@ -10,6 +10,8 @@
 #   Native front ends: .native/voxserve-native.tar.xz from bash bench/native_carry.sh (the binary and the libraries
 #             it needs beyond the device's image, ~6 MB); NATIVE_FRONTENDS=N (default: FRONTENDS) adds the rows of
 #             --frontend-impl native.
+#   FULL_PROCESSES=N (default 1): load processes of the full-batch levels (one Python client process moves ~1-2
+#             GB/s of 25 MB messages; more measure the server rather than the client).
 #   ENGINES=N (default 1): engine processes behind the front ends (--replicas N; on one GPU they share it).
 # Writes $OUT/service-<device>.md and $OUT/service.log. The whole run stays within LIMIT_S (590) seconds.
 set -uo pipefail
@@ -42,5 +44,6 @@ left=$(( ${LIMIT_S:-590} - SECONDS ))
 echo "service_bench: ${left} s left; MLServer: ${MLS[*]:-not run}; Triton: ${TRITON[*]:-not carried}; native: ${NATIVE[*]:-not carried}"
 PYTHONUNBUFFERED=1 timeout "$left" python3 bench/service_bench.py --frontends "${FRONTENDS:-6}" --processes 8 \
   --connections 16 --full-concurrency "${FULL_CONCURRENCY:-1,4,16}" --duration "${DURATION:-5}" "${MLS[@]}" \
-  "${TRITON[@]}" "${NATIVE[@]}" --engines "${ENGINES:-1}" --out "$OUT/service-$name.md" > /dev/null
+  "${TRITON[@]}" "${NATIVE[@]}" --engines "${ENGINES:-1}" \
+  --full-processes "${FULL_PROCESSES:-1}" --out "$OUT/service-$name.md" > /dev/null
 tail -20 "$OUT/service-$name.md"

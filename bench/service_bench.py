@@ -148,13 +148,14 @@ def cuda_rows(args, out: dict[str, list[LevelResult]], url: str, full: np.ndarra
     """A server's CUDA shared-memory rows: input and output in device memory of this process (voxserve.client's
     CudaBuffer, exported by CUDA IPC), the full batch at each full concurrency (over ``connections``) and batch 1
     at c=64; or a note saying why there are none."""
+    fp = args.full_processes  # load processes of the full-batch levels
     d, load = args.duration, (args.processes, args.connections)
     one = full[:1].copy()
     try:
         payload, cleanup = setup_cuda_shared_memory(url, full, "FP32", model)
         try:
             for c in args.full_concurrency:
-                out["cuda_shm"].append(level(url, payload, args.batch, full.nbytes, c, target, d, 1, connections,
+                out["cuda_shm"].append(level(url, payload, args.batch, full.nbytes, c, target, d, fp, connections,
                                              model=model))
         finally:
             cleanup()
@@ -171,6 +172,7 @@ def cuda_rows(args, out: dict[str, list[LevelResult]], url: str, full: np.ndarra
 def triton_rows(args, out: dict[str, list[LevelResult]], full: np.ndarray, notes: list[str],
                 checkpoint: Callable[[dict[str, list[LevelResult]]], None] = lambda rows: None) -> None:
     """Triton's rows in every table, or a note saying why there are none."""
+    fp = args.full_processes  # load processes of the full-batch levels
     one = full[:1].copy()
     d, load = args.duration, (args.processes, args.connections)
     n32, n16, n1 = full.nbytes, len(to_wire(full, "FP16")), one.nbytes
@@ -186,13 +188,13 @@ def triton_rows(args, out: dict[str, list[LevelResult]], full: np.ndarray, notes
             fp16 = build_request(full, m16, "FP16").SerializeToString()
             single = build_request(one, m32, "FP32").SerializeToString()
             for c in args.full_concurrency:
-                out["full"].append(level(triton.url, fp32, args.batch, n32, c, TRITON, d, model=m32))
+                out["full"].append(level(triton.url, fp32, args.batch, n32, c, TRITON, d, fp, model=m32))
             for c in args.full_concurrency:
-                out["fp16"].append(level(triton.url, fp16, args.batch, n16, c, TRITON, d, model=m16))
+                out["fp16"].append(level(triton.url, fp16, args.batch, n16, c, TRITON, d, fp, model=m16))
             payload, cleanup = setup_shared_memory(triton.url, full, "FP32", m32)
             try:
                 for c in args.full_concurrency:
-                    out["shm"].append(level(triton.url, payload, args.batch, n32, c, TRITON, d, model=m32))
+                    out["shm"].append(level(triton.url, payload, args.batch, n32, c, TRITON, d, fp, model=m32))
             finally:
                 cleanup()
             out["batch1"].append(level(triton.url, single, 1, n1, 64, TRITON, d, *load, model=m32))
@@ -225,19 +227,20 @@ def frontend_configurations(args) -> list[tuple[str, int, list[str]]]:
 def frontend_rows(args, out: dict[str, list[LevelResult]], serve: list[str], fe: str, frontends: int,
                   flags: list[str], payloads: tuple, notes: list[str]) -> None:
     """The rows of voxserve with ``frontends`` front ends (and ``flags``), named ``fe``, with and without batching."""
+    fp = args.full_processes  # load processes of the full-batch levels
     full, fp32, fp16, single, n32, n16, n1 = payloads
     d, load = args.duration, (args.processes, args.connections)
     spread = max(4, frontends)  # connections, so that every front end gets some
     flags = ["--frontends", str(frontends), *flags]
     with ServerProcess([*serve, *flags]) as vox:
         for c in args.full_concurrency:
-            out["full"].append(level(vox.url, fp32, args.batch, n32, c, fe, d, 1, spread))
+            out["full"].append(level(vox.url, fp32, args.batch, n32, c, fe, d, fp, spread))
         for c in args.full_concurrency:
-            out["fp16"].append(level(vox.url, fp16, args.batch, n16, c, fe, d, 1, spread))
+            out["fp16"].append(level(vox.url, fp16, args.batch, n16, c, fe, d, fp, spread))
         payload, cleanup = setup_shared_memory(vox.url, full, "FP32", "voxnet")
         try:
             for c in args.full_concurrency:
-                out["shm"].append(level(vox.url, payload, args.batch, n32, c, fe, d, 1, spread))
+                out["shm"].append(level(vox.url, payload, args.batch, n32, c, fe, d, fp, spread))
         finally:
             cleanup()
         out["batch1"].append(level(vox.url, single, 1, n1, 64, fe, d, *load))
@@ -251,6 +254,7 @@ def frontend_rows(args, out: dict[str, list[LevelResult]], serve: list[str], fe:
 def run(args, notes: list[str], checkpoint: Callable[[dict[str, list[LevelResult]]], None]
         ) -> dict[str, list[LevelResult]]:
     """Every server's rows, one server at a time; ``checkpoint`` gets the rows so far after each."""
+    fp = args.full_processes  # load processes of the full-batch levels
     rng = np.random.default_rng(0)
     full = rng.standard_normal((args.batch, *SAMPLE), dtype=np.float32)
     one = full[:1].copy()
@@ -265,19 +269,19 @@ def run(args, notes: list[str], checkpoint: Callable[[dict[str, list[LevelResult
                                          "cuda_shm_batch1": [], "rest_full": [], "rest_batch1": []}
     with raw_sink() as sink:
         for c in args.full_concurrency:
-            out["full"].append(level(sink, fp32, args.batch, n32, c, "raw sink", d))
+            out["full"].append(level(sink, fp32, args.batch, n32, c, "raw sink", d, fp))
     # --max-json-bytes: the full batch as JSON (~130 MB) is a row of its own; the default (16 MiB) refuses it.
     serve = ["--device", args.device, "--max-message-bytes", str(512 * 1024 * 1024), "--max-json-bytes",
              str(256 * 1024 * 1024)]
     with ServerProcess(serve) as vox:
         for c in args.full_concurrency:
-            out["full"].append(level(vox.url, fp32, args.batch, n32, c, "voxserve", d))
+            out["full"].append(level(vox.url, fp32, args.batch, n32, c, "voxserve", d, fp))
         for c in args.full_concurrency:
-            out["fp16"].append(level(vox.url, fp16, args.batch, n16, c, "voxserve", d))
+            out["fp16"].append(level(vox.url, fp16, args.batch, n16, c, "voxserve", d, fp))
         payload, cleanup = setup_shared_memory(vox.url, full, "FP32", "voxnet")
         try:
             for c in args.full_concurrency:
-                out["shm"].append(level(vox.url, payload, args.batch, n32, c, "voxserve", d))
+                out["shm"].append(level(vox.url, payload, args.batch, n32, c, "voxserve", d, fp))
         finally:
             cleanup()
         out["batch1"].append(level(vox.url, single, 1, n1, 64, "voxserve", d, *load))
@@ -298,7 +302,7 @@ def run(args, notes: list[str], checkpoint: Callable[[dict[str, list[LevelResult
     if args.mlserver_python or args.mlserver_pythonpath:
         with mlserver(args.mlserver_python or sys.executable, args.mlserver_pythonpath) as url:
             for c in args.full_concurrency:
-                out["full"].append(level(url, fp32, args.batch, n32, c, "MLServer", d))
+                out["full"].append(level(url, fp32, args.batch, n32, c, "MLServer", d, fp))
             out["batch1"].append(level(url, single, 1, n1, 64, "MLServer", d, *load))
     return out
 
@@ -415,6 +419,8 @@ def main() -> int:
     parser.add_argument("--engines", type=int, default=1,
                         help="engine processes behind the front ends (--replicas N; on one GPU they share it)")
     parser.add_argument("--processes", type=int, default=1, help="load processes of the batch-1 client")
+    parser.add_argument("--full-processes", type=int, default=1,
+                        help="load processes of the full-batch client (at most the level's concurrency), every server")
     parser.add_argument("--connections", type=int, default=1, help="connections of the batch-1 client")
     parser.add_argument("--triton", nargs="?", const="auto", default=None, metavar="WHEEL",
                         help="also run Triton Inference Server: the nvidia-pytriton wheel (or a zip of its server "

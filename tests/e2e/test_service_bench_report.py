@@ -34,7 +34,7 @@ def _targets(text: str) -> dict[str, tuple[str, str]]:
 
 
 def test_the_report_says_which_targets_the_rows_meet(service_bench):
-    args = argparse.Namespace(batch=128, duration=3.0, frontends=0, native_frontends=0)
+    args = argparse.Namespace(batch=128, duration=3.0, frontends=0, native_frontends=0, engines=1)
     out = {key: [] for key in ("full", "fp16", "shm", "cuda_shm", "batch1", "cuda_shm_batch1", "rest_full",
                                "rest_batch1")}
     out["full"] += [_row("raw sink", 100, 128, 1), _row("voxserve", 95, 128, 1), _row("Triton", 50, 128, 1)]
@@ -62,7 +62,7 @@ def test_the_report_says_which_targets_the_rows_meet(service_bench):
 def test_the_shared_memory_targets_take_the_front_ends_rows_too(service_bench):
     """With --frontends, the best of the one-process and the front-end rows meets a shared-memory goal, and the batch-1
     ratio of CUDA shared memory to the wire is stated for each topology."""
-    args = argparse.Namespace(batch=128, duration=3.0, frontends=12, native_frontends=12)
+    args = argparse.Namespace(batch=128, duration=3.0, frontends=12, native_frontends=12, engines=1)
     fe = "voxserve --frontends 12"
     out = {key: [] for key in ("full", "fp16", "shm", "cuda_shm", "batch1", "cuda_shm_batch1", "rest_full",
                                "rest_batch1")}
@@ -78,3 +78,15 @@ def test_the_shared_memory_targets_take_the_front_ends_rows_too(service_bench):
     assert targets[f"batch 1 at c=64: CUDA shared memory vs the wire, `{fe}, native`"] == ("-", "not measured")
     assert targets["batch 1 at c=64, in process"] == ("1,600 req/s (p99 3.0 ms)", "missed")
     assert targets["batch 1 at c=64, through front ends"] == (f"17,000 req/s ({fe}, native, p99 3.0 ms)", "met")
+
+
+def test_front_end_configurations_name_their_engines(service_bench):
+    """--engines N runs every front-end configuration with N engine processes (--replicas N) and says so in its rows'
+    names; one engine adds no flag."""
+    one = argparse.Namespace(frontends=12, native_frontends=8, engines=1)
+    assert service_bench.frontend_configurations(one) == [
+        ("voxserve --frontends 12", 12, []),
+        ("voxserve --frontends 8, native", 8, ["--frontend-impl", "native"])]
+    two = argparse.Namespace(frontends=12, native_frontends=0, engines=2)
+    assert service_bench.frontend_configurations(two) == [
+        ("voxserve --frontends 12, 2 engines", 12, ["--replicas", "2"])]
