@@ -44,7 +44,7 @@ import grpc
 import numpy as np
 
 import voxserve
-from voxserve.client import Client, build_request, build_shm_request
+from voxserve.client import AsyncClient, Client, InferenceError, build_request, build_shm_request
 from voxserve.client.bench import INFER_METHOD, STREAM_METHOD
 from voxserve.proto import pb
 from voxserve.testing.load import ServerProcess
@@ -72,6 +72,7 @@ IDLE_CONNECTIONS, IDLE_PER_CONNECTION = 4, 64
 BOMB_SHAPE, BOMB_REQUESTS = (32, 3, 64, 64, 64), 4  # 32 * 3 * 64**3 * 4 bytes = 96 MiB of zeros
 ID_CLIENTS, ID_CHARS = 8, 50_000_000
 SHM_SHAPE, SHM_REQUESTS = (1024, 3, 32, 32, 32), 12  # 384 MiB a request
+CHURN_CLIENTS, CHURN_S, CHURN_BYTES = 8, 6.0, 1 << 20  # registration churn: clients, seconds, segment size
 HOL_SHAPE, HOL_REQUESTS = (512, 3, 16, 32, 32), 3  # 96 MiB a request
 STORM_REQUESTS, STORM_CONCURRENCY, STORM_TIMEOUT_S = 1000, 50, 0.1
 HTTP_CONNECTIONS = 800
@@ -397,6 +398,44 @@ async def shared_memory(server: ServerProcess, good: GoodClient) -> Outcome:
     return out
 
 
+async def no_attack(server: ServerProcess, good: GoodClient) -> Outcome:
+    """The good client alone, for the other rows' latencies to be read against."""
+    good.begin()
+    await asyncio.sleep(GOOD_MIN_S)
+    return Outcome()
+
+
+async def registration_churn(server: ServerProcess, good: GoodClient) -> Outcome:
+    """Clients registering and unregistering a region as fast as the server answers: the control plane's cost."""
+    out = Outcome()
+    name = f"voxserve-churn-{os.getpid()}"
+    path = Path("/dev/shm") / name
+    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+
+    async def churn(i: int) -> None:
+        async with AsyncClient(server.url, timeout_s=10) as c:
+            end = time.monotonic() + CHURN_S
+            while time.monotonic() < end:
+                try:
+                    await c.register_system_shared_memory(f"churn-{i}", "/" + name, CHURN_BYTES)
+                    await c.unregister_system_shared_memory(f"churn-{i}")
+                    out.codes["OK"] += 1
+                except InferenceError as exc:
+                    out.codes[exc.code.name] += 1
+
+    try:
+        os.ftruncate(fd, CHURN_BYTES)
+        os.close(fd)
+        good.begin()
+        await asyncio.gather(*(churn(i) for i in range(CHURN_CLIENTS)))
+        out.notes.append(f"{CHURN_CLIENTS} clients, each registering and unregistering its own region of one "
+                         f"{CHURN_BYTES >> 20} MiB segment for {CHURN_S:.0f} s: {out.codes['OK']} rounds "
+                         f"({out.codes['OK'] / CHURN_S:.0f} a second)")
+    finally:
+        path.unlink(missing_ok=True)
+    return out
+
+
 async def head_of_line(server: ServerProcess, good: GoodClient) -> Outcome:
     out = Outcome()
     body = build_request(np.zeros(HOL_SHAPE, np.float32), MODEL, "FP32").SerializeToString()
@@ -522,6 +561,7 @@ class Attack:
 
 
 ATTACKS = [
+    Attack("none", "0 none (the good client alone)", no_attack),
     Attack("idle-streams", f"1 idle streams ({IDLE_CONNECTIONS} x {IDLE_PER_CONNECTION}, {HOLD_S:.0f} s)",
            idle_streams),
     Attack("idle-streams-one-connection", f"1b idle streams on one connection (1 x "
@@ -536,6 +576,8 @@ ATTACKS = [
     Attack("huge-id-accepted", "3b huge request id, server with --grpc-compression", huge_request_id,
            ["--grpc-compression"]),
     Attack("shared-memory", f"4 shared memory ({SHM_REQUESTS} x {SHM_SHAPE})", shared_memory),
+    Attack("registration-churn", f"4b shared-memory registration churn ({CHURN_CLIENTS} clients, {CHURN_S:.0f} s)",
+           registration_churn),
     Attack("head-of-line", f"5 head-of-line ({HOL_REQUESTS} x {HOL_SHAPE})", head_of_line),
     Attack("deadline-storm", f"6 deadline storm ({STORM_REQUESTS} x {STORM_TIMEOUT_S * 1e3:.0f} ms deadline, "
            f"{STORM_CONCURRENCY} at once)", deadline_storm),
