@@ -25,7 +25,7 @@ suite() {  # suite <timeout> <pytest args...>
   if [ "$left" -lt 30 ]; then echo "== $*: not run (out of time)" | tee -a "$OUT/gpu-suites.txt"; return; fi
   [ "$limit" -gt "$left" ] && limit=$left
   echo "== $*" | tee -a "$OUT/gpu-suites.txt"
-  timeout "$limit" python3 -m pytest -q -rs -p no:cacheprovider --timeout=120 "$@" >> "$OUT/gpu-suites.txt" 2>&1
+  timeout -k 5 "$limit" python3 -m pytest -q -rs -p no:cacheprovider --timeout=120 "$@" >> "$OUT/gpu-suites.txt" 2>&1
   echo "   rc=$?" >> "$OUT/gpu-suites.txt"
   tail -n 40 "$OUT/gpu-suites.txt" | grep -E '^(FAILED|ERROR)|passed|failed|skipped|rc=' | tail -6
 }

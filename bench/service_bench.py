@@ -109,7 +109,7 @@ def level(url: str, payload: bytes, samples: int, tensor_bytes: int, concurrency
     print(f"  {target}: {samples} samples x c={concurrency}", file=sys.stderr, flush=True)
     common = dict(duration_s=duration_s, requests=None, model=model, target=target, timeout_s=300.0,
                   connections=connections)
-    if processes > 1:
+    if min(processes, concurrency) > 1:
         return run_level_processes(url, payload, samples, tensor_bytes, concurrency, processes=processes, **common)
     return asyncio.run(run_level(url, payload, samples, tensor_bytes, concurrency, **common))
 

@@ -11,6 +11,7 @@ process's device memory opened from its CUDA IPC handle (``ipc_open``/``ipc_clos
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import os
@@ -158,7 +159,7 @@ class _HostWeights:
     tensors themselves so that their memory cannot be reused by other tensors
     while an entry lives, and an in-place update bumps the version (a new entry).
     Device addresses are unique across devices (unified addressing), so the key
-    needs no device. Lookups take no lock (one dict read); inserts do.
+    needs no device. Lookups take no lock (a dict read and a move to the end); inserts do.
     """
 
     def __init__(self, capacity: int = 4) -> None:
@@ -173,6 +174,10 @@ class _HostWeights:
             key = None
         entry = self._entries.get(key) if key is not None else None
         if entry is not None:
+            # Least recently used first out (one C call: atomic under the GIL). KeyError: another thread evicted it
+            # meanwhile; the entry read is still whole.
+            with contextlib.suppress(KeyError):
+                self._entries.move_to_end(key)
             return entry[2], entry[3]
         if torch.cuda.is_current_stream_capturing():
             raise RuntimeError("voxserve::fused_forward: run the op once outside CUDA graph capture first, so the "
