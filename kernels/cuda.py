@@ -173,7 +173,7 @@ class _HostWeights:
         except RuntimeError:  # inference-mode tensors have no version counter: never cache them
             key = None
         entry = self._entries.get(key) if key is not None else None
-        if entry is not None:
+        if entry is not None and key is not None:
             # Least recently used first out (one C call: atomic under the GIL). KeyError: another thread evicted it
             # meanwhile; the entry read is still whole.
             with contextlib.suppress(KeyError):
