@@ -237,6 +237,12 @@ _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None) or (
     lambda index: torch.cuda.current_stream(index).cuda_stream)
 
 
+def _layout_key(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, precision: str) -> tuple:
+    """Every property of the arguments that _Prepared checks or derives its fields from."""
+    return (x.shape, x.stride(), x.dtype, x.get_device(), weight.shape, weight.dtype, weight.get_device(),
+            bias.shape, bias.dtype, bias.get_device(), precision)
+
+
 def forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, variant: int = 0,
             precision: str = "fp32") -> torch.Tensor:
     """Launch the fused kernel on PyTorch's current stream; (N, Cout) float32 on x's device.
@@ -245,8 +251,7 @@ def forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, variant: 
     per layout: a call whose layout was seen before goes straight to the launch.
     """
     lib = _library.lib if _library is not None else library().lib
-    key = (x.shape, x.stride(), x.dtype, x.get_device(), weight.shape, weight.dtype, weight.get_device(),
-           bias.shape, bias.dtype, bias.get_device(), precision)
+    key = _layout_key(x, weight, bias, precision)
     prep = _prepared.get(key)
     if prep is None:
         prep = _Prepared(lib, x, weight, bias, precision)

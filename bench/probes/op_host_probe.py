@@ -64,9 +64,7 @@ def launch_parts(x, w, b):
     """Each step of kernels.cuda.forward on its own, as it runs for a layout seen before."""
     fused_cuda.forward(x, w, b)
     lib = fused_cuda.library().lib
-    key = lambda: (x.shape, x.stride(), x.dtype, x.get_device(), w.shape, w.dtype, w.get_device(),  # noqa: E731
-                   b.shape, b.dtype, b.get_device(), "fp32")
-    prep = fused_cuda._prepared[key()]
+    prep = fused_cuda._prepared[fused_cuda._layout_key(x, w, b, "fp32")]
     out = torch.empty(prep.out_shape, device=prep.device)
     workspace = torch.empty(prep.floats, device=prep.device)
     w_host, b_host = fused_cuda._host_weights.get(w, b)
@@ -75,7 +73,7 @@ def launch_parts(x, w, b):
             w_host.data_ptr(), b_host.data_ptr(), out.data_ptr(), workspace.data_ptr(), 0, prep.precision_code,
             prep.index, stream)
     return [
-        ("layout key and lookup", lambda: fused_cuda._prepared.get(key())),
+        ("layout key and lookup", lambda: fused_cuda._prepared.get(fused_cuda._layout_key(x, w, b, "fp32"))),
         ("torch.empty of the output", lambda: torch.empty(prep.out_shape, device=prep.device, dtype=torch.float32)),
         ("torch.empty of the workspace", lambda: torch.empty(prep.floats, device=prep.device, dtype=torch.float32)),
         ("weights' host copy lookup", lambda: fused_cuda._host_weights.get(w, b)),
