@@ -231,6 +231,7 @@ class _Prepared:
 _prepared: dict[tuple, _Prepared] = {}
 MAX_PREPARED = 256  # distinct argument layouts remembered (then forgotten all at once)
 _FLOAT32 = torch.float32
+_NEEDS_WORKSPACE = 2  # voxserve_forward's answer when its one-launch scratch cannot take a call
 # The current stream's raw handle by device index: PyTorch's own fast accessor where it has one (what its
 # compiled code calls), else the public one.
 _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None) or (
@@ -244,11 +245,15 @@ def _layout_key(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, preci
 
 
 def forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, variant: int = 0,
-            precision: str = "fp32") -> torch.Tensor:
+            precision: str = "fp32", *, one_launch: bool = True) -> torch.Tensor:
     """Launch the fused kernel on PyTorch's current stream; (N, Cout) float32 on x's device.
 
     The arguments are checked as the op checks them (shapes, dtypes, precision) and against x's device once
-    per layout: a call whose layout was seen before goes straight to the launch.
+    per layout: a call whose layout was seen before goes straight to the launch. One launch: the kernel's last
+    block of each sample writes its means, the per-block sums kept in the library's scratch for the stream.
+    Under graph capture (and for the rare call the scratch cannot take) a workspace from PyTorch's allocator
+    holds the sums and a second small kernel writes the means; ``one_launch=False`` asks for that path (the
+    same bits).
     """
     lib = _library.lib if _library is not None else library().lib
     key = _layout_key(x, weight, bias, precision)
@@ -265,15 +270,17 @@ def forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, variant: 
     if not bias.is_contiguous():
         bias = bias.contiguous()
     out = torch.empty(prep.out_shape, device=prep.device, dtype=_FLOAT32)
-    workspace = torch.empty(prep.floats, device=prep.device, dtype=_FLOAT32)
     w_host_ptr = b_host_ptr = None
     if prep.specialised:
         w_host, b_host = _host_weights.get(weight, bias)
         w_host_ptr, b_host_ptr = w_host.data_ptr(), b_host.data_ptr()
-    rc = lib.voxserve_forward(
-        x.data_ptr(), prep.dtype_code, prep.sizes, prep.strides, prep.cout, prep.k, weight.data_ptr(),
-        bias.data_ptr(), w_host_ptr, b_host_ptr, out.data_ptr(), workspace.data_ptr(), variant,
-        prep.precision_code, prep.index, _raw_stream(prep.index))
+    head = (x.data_ptr(), prep.dtype_code, prep.sizes, prep.strides, prep.cout, prep.k, weight.data_ptr(),
+            bias.data_ptr(), w_host_ptr, b_host_ptr, out.data_ptr())
+    tail = (variant, prep.precision_code, prep.index, _raw_stream(prep.index))
+    rc = lib.voxserve_forward(*head, None, *tail) if one_launch else _NEEDS_WORKSPACE
+    if rc == _NEEDS_WORKSPACE:
+        workspace = torch.empty(prep.floats, device=prep.device, dtype=_FLOAT32)  # freed stream-ordered: no wait
+        rc = lib.voxserve_forward(*head, workspace.data_ptr(), *tail)
     if rc != 0:
         raise RuntimeError(f"voxserve::fused_forward: {lib.voxserve_last_error().decode()}")
     return out

@@ -6,9 +6,11 @@
 // library with ctypes and launches on PyTorch's current stream.
 //
 // One kernel (chosen by make_plan) computes per-block partial sums of the softmax
-// probabilities; the conv output never leaves registers. A tiny second kernel adds
-// the partials of each sample in a fixed order (in double) and divides by the
-// voxel count, so the same input gives the same bits on every run.
+// probabilities; the conv output never leaves registers. The partials of each
+// sample are added in a fixed order (in double) and divided by the voxel count, so
+// the same input gives the same bits on every run: by the sample's last block to
+// finish (one launch: eager calls, on a per-stream scratch of the library's), or by
+// a tiny second kernel (a caller's workspace: graphs and the serving path).
 //
 // - fused_wg_kernel (sm_90a) and fused_tc_kernel: the reference configuration on
 //   the tensor cores (implicit GEMM, 3xTF32; described where they are defined):
@@ -44,6 +46,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <algorithm>
+#include <mutex>
 #include <type_traits>
 #include <utility>
 
@@ -143,6 +146,48 @@ __device__ __forceinline__ void block_sum_to(float (&psum)[C], int valid_c, floa
   }
 }
 
+// The mean of one sample's channel from its `tiles` per-block partials (p: the first, cout floats apart), added in
+// order in double. Read through L2: in the one-launch path other blocks wrote them during this kernel.
+__device__ __forceinline__ float sample_mean(const float* p, int tiles, int cout, double inv_voxels) {
+  double s = 0.0;
+  int t = 0;
+  for (; t + 8 <= tiles; t += 8) {  // eight loads in flight, then the adds in order
+    float v[8];
+#pragma unroll
+    for (int j = 0; j < 8; ++j) v[j] = __ldcg(p + (long long)(t + j) * cout);
+#pragma unroll
+    for (int j = 0; j < 8; ++j) s += v[j];
+  }
+  for (; t < tiles; ++t) s += __ldcg(p + (long long)t * cout);
+  return static_cast<float>(s * inv_voxels);
+}
+
+// Where a launch's means go when each sample's last block writes them (the one-launch path). counters == nullptr:
+// the partials are left for finalize_kernel.
+struct Finish {
+  float* out;          // (N, Cout)
+  unsigned* counters;  // one per sample, 0 before the launch; the sample's last block sets it back to 0
+  int blocks;          // blocks per sample
+  double inv_voxels;
+};
+
+// After a block has written its partials of sample n: the block that finishes the sample last (each counts itself
+// once) adds them up and writes the means, exactly as finalize_kernel would. Every thread of the block calls it.
+__device__ __forceinline__ void finish_sample(const Finish& f, const float* partials, int n, int cout) {
+  if (f.counters == nullptr) return;
+  __shared__ int last;
+  const int tid = threadIdx.y * blockDim.x + threadIdx.x, nthreads = blockDim.x * blockDim.y;
+  __threadfence();  // this block's partials are visible to every block before it counts itself done
+  __syncthreads();
+  if (tid == 0) last = atomicAdd(f.counters + n, 1u) == static_cast<unsigned>(f.blocks - 1);
+  __syncthreads();
+  if (!last) return;
+  __threadfence();
+  const float* p = partials + (long long)n * f.blocks * cout;
+  for (int c = tid; c < cout; c += nthreads) f.out[(long long)n * cout + c] = sample_mean(p + c, f.blocks, cout, f.inv_voxels);
+  if (tid == 0) f.counters[n] = 0;  // ready for the next launch on this stream
+}
+
 // ---------------------------------------------------------------------------
 // Specialised kernels: compile-time (Cin, Cout, k), V voxels x Cout accumulators per thread
 
@@ -234,7 +279,7 @@ __device__ __forceinline__ void epilogue(float (&acc)[V][COUT], const Shape& s, 
 template <typename T, int CIN, int COUT, int K, int V, int TX>
 __global__ void __launch_bounds__(kMaxThreads, 2)
     fused_tile_kernel(const T* __restrict__ x, const Shape s, const __grid_constant__ ConvWeights<CIN, COUT, K> p,
-                      float* __restrict__ partials, int tiles_w, int tiles_hw) {
+                      float* __restrict__ partials, int tiles_w, int tiles_hw, const Finish fin) {
   using G = TileGeometry<K, V, TX>;
   extern __shared__ __align__(16) float smem[];
   __shared__ __align__(16) float s_w[CIN * K * K * K * COUT];
@@ -271,6 +316,7 @@ __global__ void __launch_bounds__(kMaxThreads, 2)
   epilogue<COUT, V>(acc, s, h0 + threadIdx.y, w0 + threadIdx.x * V, psum);
   const long long slot = (long long)n * tiles_hw * s.od + (long long)od * tiles_hw + tile;
   block_sum_to<COUT>(psum, COUT, partials + slot * COUT);
+  finish_sample(fin, partials, n, COUT);
 }
 
 // Copy input plane d (all Cin channels, rows h0.., columns w0..) into ring slot `slot` with 16-byte
@@ -303,7 +349,8 @@ __device__ __forceinline__ void prefetch_plane(const float* __restrict__ xn, con
 template <int CIN, int COUT, int K, int V, int TX, int CSPLIT>
 __global__ void __launch_bounds__(kMaxThreads, CSPLIT == 1 ? 2 : 3)
     fused_window_kernel(const float* __restrict__ x, const Shape s, const __grid_constant__ ConvWeights<CIN, COUT, K> p,
-                        float* __restrict__ partials, int tiles_w, int tiles_hw, int planes, int chunks) {
+                        float* __restrict__ partials, int tiles_w, int tiles_hw, int planes, int chunks,
+                        const Finish fin) {
   using G = TileGeometry<K, V, TX>;
   constexpr int kSlots = K + 1;
   extern __shared__ __align__(16) float ring[];  // [kSlots][CIN][in_h][kPitch]
@@ -346,6 +393,7 @@ __global__ void __launch_bounds__(kMaxThreads, CSPLIT == 1 ? 2 : 3)
   asm volatile("cp.async.wait_all;\n" ::);
   const long long slot = ((long long)n * tiles_hw + tile) * chunks + chunk;
   block_sum_to<kCT, CSPLIT>(psum, COUT, partials + slot * COUT);
+  finish_sample(fin, partials, n, COUT);
 }
 
 // ---------------------------------------------------------------------------
@@ -437,7 +485,8 @@ __device__ __forceinline__ void tc_copy_plane(const T* __restrict__ xn, const Sh
 template <int TERMS>
 __global__ void __launch_bounds__(kTcMaxThreads, 2)
     fused_tc_kernel(const float* __restrict__ x, const Shape s, const __grid_constant__ ConvWeights<3, 16, 3> p,
-                    float* __restrict__ partials, int tiles_w, int tiles_hw, int planes, int chunks, int ty) {
+                    float* __restrict__ partials, int tiles_w, int tiles_hw, int planes, int chunks, int ty,
+                    const Finish fin) {
   constexpr int kTaps = 81;
   extern __shared__ __align__(16) float tc_smem[];
   const TcLayout l = tc_layout(ty);
@@ -595,6 +644,7 @@ __global__ void __launch_bounds__(kTcMaxThreads, 2)
     const long long slot = ((long long)n * tiles_hw + tile) * chunks + chunk;
     partials[slot * 16 + threadIdx.x] = sum;
   }
+  finish_sample(fin, partials, n, 16);
 }
 
 // ---------------------------------------------------------------------------
@@ -735,7 +785,7 @@ template <int TERMS, int ROUNDS, typename T>
 __global__ void __launch_bounds__(128 * kWgMaxGroups, 2)
     fused_wg_kernel(const T* __restrict__ x, const Shape s, const __grid_constant__ ConvWeights<3, 16, 3> p,
                     const float* __restrict__ w_dev, float* __restrict__ partials, int tiles_w, int tiles_hw,
-                    int planes, int chunks, int ty) {
+                    int planes, int chunks, int ty, const Finish fin) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   constexpr int kTaps = 81;
   constexpr int kChunks = (kWgSteps + kWgChunk - 1) / kWgChunk;
@@ -915,6 +965,7 @@ __global__ void __launch_bounds__(128 * kWgMaxGroups, 2)
     const long long slot = ((long long)n * tiles_hw + tile) * chunks + chunk;
     partials[slot * 16 + threadIdx.x] = sum;
   }
+  finish_sample(fin, partials, n, 16);
 #endif
 }
 
@@ -924,7 +975,7 @@ __global__ void __launch_bounds__(128 * kWgMaxGroups, 2)
 template <typename T, int MAXC>
 __global__ void __launch_bounds__(kMaxThreads)
     fused_general_kernel(const T* __restrict__ x, const Shape s, const float* __restrict__ weight,
-                         const float* __restrict__ bias, float* __restrict__ partials) {
+                         const float* __restrict__ bias, float* __restrict__ partials, const Finish fin) {
   const int n = blockIdx.y;
   const long long voxels = (long long)s.od * s.oh * s.ow;
   const long long vox = (long long)blockIdx.x * blockDim.x + threadIdx.x;
@@ -963,6 +1014,7 @@ __global__ void __launch_bounds__(kMaxThreads)
   softmax_accumulate<MAXC>(acc, cout, valid ? 1.0f : 0.0f, psum);
   const long long slot = (long long)n * gridDim.x + blockIdx.x;
   block_sum_to<MAXC>(psum, cout, partials + slot * cout);
+  finish_sample(fin, partials, n, cout);
 }
 
 // out[n, c] = sum_t partials[n, t, c] / voxels, summed in order in double.
@@ -970,18 +1022,7 @@ __global__ void finalize_kernel(const float* __restrict__ partials, float* __res
                                 double inv_voxels) {
   const int n = blockIdx.x;
   for (int c = threadIdx.x; c < cout; c += blockDim.x) {
-    double s = 0.0;
-    const float* p = partials + (long long)n * tiles * cout + c;
-    int t = 0;
-    for (; t + 8 <= tiles; t += 8) {  // eight loads in flight, then the adds in order
-      float v[8];
-#pragma unroll
-      for (int j = 0; j < 8; ++j) v[j] = p[(long long)(t + j) * cout];
-#pragma unroll
-      for (int j = 0; j < 8; ++j) s += v[j];
-    }
-    for (; t < tiles; ++t) s += p[(long long)t * cout];
-    out[(long long)n * cout + c] = static_cast<float>(s * inv_voxels);
+    out[(long long)n * cout + c] = sample_mean(partials + (long long)n * tiles * cout + c, tiles, cout, inv_voxels);
   }
 }
 
@@ -1158,7 +1199,8 @@ bool wgmma_available() {
 // The warpgroup kernel for (input type, terms, rounds): one instantiation per row-pair count of a
 // warpgroup per plane.
 template <typename T>
-using WgKernel = void (*)(const T*, Shape, ConvWeights<3, 16, 3>, const float*, float*, int, int, int, int, int);
+using WgKernel = void (*)(const T*, Shape, ConvWeights<3, 16, 3>, const float*, float*, int, int, int, int, int,
+                          Finish);
 constexpr int kWgMaxRounds = 8;
 
 template <typename T, int TERMS, int... R>
@@ -1360,84 +1402,94 @@ ConvWeights<kRefCin, kRefCout, kRefK> ref_weights(const float* w_host, const flo
 
 template <typename T>
 int launch_tile(const void* x, const Shape& s, const Plan& plan, const float* w_host, const float* b_host,
-                float* partials, cudaStream_t stream) {
+                float* partials, const Finish& fin, cudaStream_t stream) {
   constexpr auto kernel = fused_tile_kernel<T, kRefCin, kRefCout, kRefK, kRefV, kRefTX>;
   const size_t smem = sizeof(float) * kRefCin * kRefK * (plan.ty + kRefK - 1) * RefGeometry::kPitch;
   if (allow_smem<kernel>(smem) != 0) return 1;
   const dim3 grid(plan.tiles_w * plan.tiles_h, s.od, s.n), block(kRefTX, plan.ty);
   kernel<<<grid, block, smem, stream>>>(static_cast<const T*>(x), s, ref_weights(w_host, b_host), partials,
-                                        plan.tiles_w, plan.tiles_w * plan.tiles_h);
+                                        plan.tiles_w, plan.tiles_w * plan.tiles_h, fin);
   return check_launch("fused_tile_kernel");
 }
 
 template <int CSPLIT>
 int launch_window(const void* x, const Shape& s, const Plan& plan, const float* w_host, const float* b_host,
-                  float* partials, cudaStream_t stream) {
+                  float* partials, const Finish& fin, cudaStream_t stream) {
   constexpr auto kernel = fused_window_kernel<kRefCin, kRefCout, kRefK, kRefV, kRefTX, CSPLIT>;
   const size_t smem =
       sizeof(float) * (kRefK + 1) * kRefCin * (plan.ty + kRefK - 1) * RefGeometry::kPitch;
   if (allow_smem<kernel>(smem) != 0) return 1;
   const dim3 grid(plan.tiles_w * plan.tiles_h, plan.chunks, s.n), block(plan.threads_x, plan.ty);
   kernel<<<grid, block, smem, stream>>>(static_cast<const float*>(x), s, ref_weights(w_host, b_host), partials,
-                                        plan.tiles_w, plan.tiles_w * plan.tiles_h, plan.planes, plan.chunks);
+                                        plan.tiles_w, plan.tiles_w * plan.tiles_h, plan.planes, plan.chunks, fin);
   return check_launch("fused_window_kernel");
 }
 
 template <typename T>
 int launch_general(const void* x, const Shape& s, const Plan& plan, const float* w_dev, const float* b_dev,
-                   float* partials, cudaStream_t stream) {
+                   float* partials, const Finish& fin, cudaStream_t stream) {
   const dim3 grid(plan.blocks, s.n), block(kMaxThreads);
   const T* xt = static_cast<const T*>(x);
   if (s.cout <= 8) {
-    fused_general_kernel<T, 8><<<grid, block, 0, stream>>>(xt, s, w_dev, b_dev, partials);
+    fused_general_kernel<T, 8><<<grid, block, 0, stream>>>(xt, s, w_dev, b_dev, partials, fin);
   } else if (s.cout <= 16) {
-    fused_general_kernel<T, 16><<<grid, block, 0, stream>>>(xt, s, w_dev, b_dev, partials);
+    fused_general_kernel<T, 16><<<grid, block, 0, stream>>>(xt, s, w_dev, b_dev, partials, fin);
   } else if (s.cout <= 32) {
-    fused_general_kernel<T, 32><<<grid, block, 0, stream>>>(xt, s, w_dev, b_dev, partials);
+    fused_general_kernel<T, 32><<<grid, block, 0, stream>>>(xt, s, w_dev, b_dev, partials, fin);
   } else {
-    fused_general_kernel<T, 64><<<grid, block, 0, stream>>>(xt, s, w_dev, b_dev, partials);
+    fused_general_kernel<T, 64><<<grid, block, 0, stream>>>(xt, s, w_dev, b_dev, partials, fin);
   }
   return check_launch("fused_general_kernel");
 }
 
 template <int TERMS>
 int launch_tensor(const void* x, const Shape& s, const Plan& plan, const float* w_host, const float* b_host,
-                  float* partials, cudaStream_t stream) {
+                  float* partials, const Finish& fin, cudaStream_t stream) {
   constexpr auto kernel = fused_tc_kernel<TERMS>;
   const size_t smem = tc_smem_bytes(plan.ty);
   if (allow_smem<kernel>(smem) != 0) return 1;
   const dim3 grid(plan.tiles_w * plan.tiles_h, plan.chunks, s.n), block(plan.threads_x);
   kernel<<<grid, block, smem, stream>>>(static_cast<const float*>(x), s, ref_weights(w_host, b_host), partials,
-                                        plan.tiles_w, plan.tiles_w * plan.tiles_h, plan.planes, plan.chunks, plan.ty);
+                                        plan.tiles_w, plan.tiles_w * plan.tiles_h, plan.planes, plan.chunks, plan.ty,
+                                        fin);
   return check_launch("fused_tc_kernel");
 }
 
 template <typename T>
 int launch_wgmma(const void* x, const Shape& s, const Plan& plan, const float* w_dev, const float* w_host,
-                 const float* b_host, float* partials, cudaStream_t stream) {
+                 const float* b_host, float* partials, const Finish& fin, cudaStream_t stream) {
   const int rounds = plan.ty / (2 * (plan.threads_x / 128));
   const size_t smem = wg_smem_bytes(plan.ty, sizeof(T));
   if (wg_allow_smem(plan.dtype, plan.terms, rounds, smem) != 0) return 1;
   const dim3 grid(plan.tiles_w * plan.tiles_h, plan.chunks, s.n), block(plan.threads_x);
   wg_kernel<T>(plan.terms, rounds)<<<grid, block, smem, stream>>>(
       static_cast<const T*>(x), s, ref_weights(w_host, b_host), w_dev, partials, plan.tiles_w,
-      plan.tiles_w * plan.tiles_h, plan.planes, plan.chunks, plan.ty);
+      plan.tiles_w * plan.tiles_h, plan.planes, plan.chunks, plan.ty, fin);
   return check_launch("fused_wg_kernel");
 }
 
 template <typename T>
 int dispatch(const void* x, const Shape& s, const Plan& plan, const float* w_dev, const float* b_dev,
-             const float* w_host, const float* b_host, float* partials, cudaStream_t stream) {
+             const float* w_host, const float* b_host, float* partials, const Finish& fin, cudaStream_t stream) {
   switch (plan.kernel) {
-    case kGeneral: return launch_general<T>(x, s, plan, w_dev, b_dev, partials, stream);
-    case kWindow: return launch_window<1>(x, s, plan, w_host, b_host, partials, stream);
-    case kWindowSplit: return launch_window<2>(x, s, plan, w_host, b_host, partials, stream);
+    case kGeneral: return launch_general<T>(x, s, plan, w_dev, b_dev, partials, fin, stream);
+    case kWindow: return launch_window<1>(x, s, plan, w_host, b_host, partials, fin, stream);
+    case kWindowSplit: return launch_window<2>(x, s, plan, w_host, b_host, partials, fin, stream);
     case kTensor:
-      return plan.terms == 1 ? launch_tensor<1>(x, s, plan, w_host, b_host, partials, stream)
-                             : launch_tensor<3>(x, s, plan, w_host, b_host, partials, stream);
+      return plan.terms == 1 ? launch_tensor<1>(x, s, plan, w_host, b_host, partials, fin, stream)
+                             : launch_tensor<3>(x, s, plan, w_host, b_host, partials, fin, stream);
     case kWgmma:
-      return launch_wgmma<T>(x, s, plan, w_dev, w_host, b_host, partials, stream);
-    default: return launch_tile<T>(x, s, plan, w_host, b_host, partials, stream);
+      return launch_wgmma<T>(x, s, plan, w_dev, w_host, b_host, partials, fin, stream);
+    default: return launch_tile<T>(x, s, plan, w_host, b_host, partials, fin, stream);
+  }
+}
+
+int dispatch_dtype(const void* x, int dtype, const Shape& s, const Plan& plan, const float* w_dev, const float* b_dev,
+                   const float* w_host, const float* b_host, float* partials, const Finish& fin, cudaStream_t stream) {
+  switch (dtype) {
+    case kF16: return dispatch<__half>(x, s, plan, w_dev, b_dev, w_host, b_host, partials, fin, stream);
+    case kBF16: return dispatch<__nv_bfloat16>(x, s, plan, w_dev, b_dev, w_host, b_host, partials, fin, stream);
+    default: return dispatch<float>(x, s, plan, w_dev, b_dev, w_host, b_host, partials, fin, stream);
   }
 }
 
@@ -1471,6 +1523,93 @@ void CUDART_CB write_event(void* fd) {
   const uint64_t one = 1;
   const ssize_t written = write(static_cast<int>(reinterpret_cast<intptr_t>(fd)), &one, sizeof one);
   (void)written;
+}
+
+// The one-launch path's scratch, one per stream: the partials and a counter per sample (zeroed once; each launch
+// leaves them at zero). Work on one stream runs in order, so a launch may take what the one before it on the same
+// stream took. Keyed by the stream's id, unique for the process's lifetime (a handle reused by a new stream is a
+// new entry). It grows stream-ordered (cudaMallocAsync / cudaFreeAsync on its own stream), and a launch is
+// enqueued under its entry's lock, so another thread's growth is ordered after that launch. Entries are never
+// given back: kScratchStreams of them at most, each at most kScratchMaxFloats; beyond that, or while the stream
+// is capturing a graph, voxserve_forward asks for the caller's workspace instead.
+constexpr int kScratchStreams = 64;
+constexpr long long kScratchMaxFloats = 16LL << 20;  // 64 MiB of partials
+
+struct Scratch {
+  std::mutex lock;
+  bool used = false;
+  int device = -1;
+  unsigned long long stream_id = 0;
+  float* partials = nullptr;
+  long long floats = 0;
+  unsigned* counters = nullptr;
+  long long samples = 0;
+};
+
+Scratch g_scratch[kScratchStreams];
+std::mutex g_scratch_lock;
+
+// The scratch entry of (device, stream), made on first use; nullptr when the table is full or the stream's id is
+// unknown (CUDA's error cleared).
+Scratch* scratch_for(int device, cudaStream_t stream) {
+  unsigned long long id = 0;
+  if (cudaStreamGetId(stream, &id) != cudaSuccess) {
+    cudaGetLastError();
+    return nullptr;
+  }
+  std::lock_guard<std::mutex> guard(g_scratch_lock);
+  Scratch* free_entry = nullptr;
+  for (Scratch& e : g_scratch) {
+    if (e.used && e.device == device && e.stream_id == id) return &e;
+    if (!e.used && free_entry == nullptr) free_entry = &e;
+  }
+  if (free_entry != nullptr) {
+    free_entry->used = true;
+    free_entry->device = device;
+    free_entry->stream_id = id;
+  }
+  return free_entry;
+}
+
+// At least `floats` partials and `samples` zeroed counters in `e` (its lock held), allocated on `stream` (twice what
+// is needed, within the cap, so that slowly growing shapes do not reallocate each call). false: CUDA refused (its
+// error cleared); the entry keeps what it had.
+bool scratch_reserve(Scratch& e, long long floats, long long samples, cudaStream_t stream) {
+  if (floats > e.floats) {
+    const long long want = std::min(std::max(floats, 2 * e.floats), kScratchMaxFloats);
+    void* p = nullptr;
+    if (cudaMallocAsync(&p, static_cast<size_t>(want) * sizeof(float), stream) != cudaSuccess) {
+      cudaGetLastError();
+      return false;
+    }
+    if (e.partials != nullptr) cudaFreeAsync(e.partials, stream);
+    e.partials = static_cast<float*>(p);
+    e.floats = want;
+  }
+  if (samples > e.samples) {
+    const long long want = std::max(samples, 2 * e.samples);
+    void* p = nullptr;
+    if (cudaMallocAsync(&p, static_cast<size_t>(want) * sizeof(unsigned), stream) != cudaSuccess ||
+        cudaMemsetAsync(p, 0, static_cast<size_t>(want) * sizeof(unsigned), stream) != cudaSuccess) {
+      if (p != nullptr) cudaFreeAsync(p, stream);
+      cudaGetLastError();
+      return false;
+    }
+    if (e.counters != nullptr) cudaFreeAsync(e.counters, stream);
+    e.counters = static_cast<unsigned*>(p);
+    e.samples = want;
+  }
+  return true;
+}
+
+// Whether `stream` is capturing a graph (or cannot tell: treated as capturing; CUDA's error cleared).
+bool capturing(cudaStream_t stream) {
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  if (cudaStreamIsCapturing(stream, &status) != cudaSuccess) {
+    cudaGetLastError();
+    return true;
+  }
+  return status != cudaStreamCaptureStatusNone;
 }
 
 }  // namespace
@@ -1509,9 +1648,13 @@ int voxserve_plan(const void* x, int dtype, const long long* sizes, const long l
   return 0;
 }
 
-// out (N, Cout) float32 = the model on x, enqueued on `stream`. Returns 0, or 1 with voxserve_last_error().
+// out (N, Cout) float32 = the model on x, enqueued on `stream`. Returns 0, or 1 with voxserve_last_error(), or 2
+// (nothing enqueued) when workspace is NULL and the stream's scratch cannot serve (the stream is capturing a graph,
+// the call needs more than the scratch's cap, or too many streams): then call again with a workspace.
 // w_dev/b_dev: device float32 weights (Cout, Cin, k, k, k) and bias; w_host/b_host: the same values on the host,
-// required when voxserve_is_specialised(). workspace: voxserve_workspace_floats() floats on the device.
+// required when voxserve_is_specialised(). workspace: voxserve_workspace_floats() floats on the device, and two
+// launches (the kernel, then finalize_kernel); or NULL: one launch on the library's scratch for this stream, the
+// last block of each sample writing its means.
 // variant: 0 lets make_plan choose the kernel; 1-5 force one where the input allows it (benchmarks
 // compare them). precision: 0 float32 throughout; 1 lets the tensor-core kernel multiply in TF32.
 // device: the CUDA device that x, out and stream belong to (this library has its own CUDA runtime, so the
@@ -1531,18 +1674,22 @@ int voxserve_forward(const void* x, int dtype, const long long* sizes, const lon
   if (plan.kernel != kGeneral && (w_host == nullptr || b_host == nullptr)) {
     return fail("the specialised kernels need host copies of the weights%s", "");
   }
+  if (dtype != kF32 && dtype != kF16 && dtype != kBF16) return fail("unsupported input dtype code%s", "");
   cudaStream_t stream = static_cast<cudaStream_t>(stream_handle);
-  int rc;
-  switch (dtype) {
-    case kF32: rc = dispatch<float>(x, s, plan, w_dev, b_dev, w_host, b_host, workspace, stream); break;
-    case kF16: rc = dispatch<__half>(x, s, plan, w_dev, b_dev, w_host, b_host, workspace, stream); break;
-    case kBF16: rc = dispatch<__nv_bfloat16>(x, s, plan, w_dev, b_dev, w_host, b_host, workspace, stream); break;
-    default: return fail("unsupported input dtype code%s", "");
+  const double inv_voxels = 1.0 / ((double)s.od * s.oh * s.ow);
+  if (workspace != nullptr) {
+    const int rc = dispatch_dtype(x, dtype, s, plan, w_dev, b_dev, w_host, b_host, workspace, Finish{}, stream);
+    if (rc != 0) return rc;
+    finalize_kernel<<<s.n, 32, 0, stream>>>(workspace, out, plan.blocks, cout, inv_voxels);
+    return check_launch("finalize_kernel");
   }
-  if (rc != 0) return rc;
-  const double voxels = (double)s.od * s.oh * s.ow;
-  finalize_kernel<<<s.n, 32, 0, stream>>>(workspace, out, plan.blocks, cout, 1.0 / voxels);
-  return check_launch("finalize_kernel");
+  if (plan.partial_floats > kScratchMaxFloats || capturing(stream)) return 2;
+  Scratch* e = scratch_for(device, stream);
+  if (e == nullptr) return 2;
+  std::lock_guard<std::mutex> guard(e->lock);
+  if (!scratch_reserve(*e, plan.partial_floats, s.n, stream)) return 2;
+  return dispatch_dtype(x, dtype, s, plan, w_dev, b_dev, w_host, b_host, e->partials,
+                        Finish{out, e->counters, plan.blocks, inv_voxels}, stream);
 }
 
 // Enqueue on `stream` a write of 1 to the eventfd `fd`: it becomes readable once everything enqueued before

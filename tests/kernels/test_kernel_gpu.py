@@ -246,6 +246,82 @@ def test_eager_path_refuses_what_the_op_refuses_after_a_good_call(rng):
     assert torch.equal(fused_forward(x, w, b), good)
 
 
+def _two_launch(x, w, b, **kw):
+    return cuda_kernels.forward(x, w, b, one_launch=False, **kw)
+
+
+@pytest.mark.parametrize("variant", [0, *cuda_kernels.VARIANTS])
+def test_one_launch_gives_the_two_launch_bits(rng, variant):
+    # Eager calls run one kernel whose last block of each sample writes the means; with a workspace a second
+    # kernel does. The same partials added in the same order: the same bits, for every kernel and layout.
+    cases = [((128, 3, 16, 32, 32), 16, 3, torch.float32, "contiguous"), ((1, 3, 16, 32, 32), 16, 3, torch.float32,
+             "contiguous"), ((3, 3, 7, 37, 40), 16, 3, torch.float16, "contiguous"),
+             ((2, 3, 5, 64, 72), 16, 3, torch.bfloat16, "contiguous"), ((2, 3, 9, 10, 11), 16, 3, torch.float32,
+             "permuted"), ((5, 2, 6, 7, 8), 5, 2, torch.float32, "sliced"), ((33, 4, 5, 6, 9), 40, 3, torch.float16,
+             "offset"), ((1, 1, 1, 1, 1), 1, 1, torch.float32, "contiguous")]
+    for shape, cout, k, dtype, layout in cases:
+        w, b = _weights(rng, cout, shape[1], k)
+        x = _make_input(shape, dtype, layout, rng)
+        for precision in ("fp32", "tf32"):
+            _poison_allocator()
+            one = cuda_kernels.forward(x, w, b, variant=variant, precision=precision)
+            two = _two_launch(x, w, b, variant=variant, precision=precision)
+            assert torch.equal(one, two), (shape, cout, k, dtype, layout, precision)
+        assert relative_error(one, reference_float64(x, w, b)) <= ERROR_BOUNDS["tf32"]
+
+
+def test_one_launch_scratch_grows_and_shrinks_on_one_stream(rng):
+    # One stream's scratch serves every call on it in turn: growing (more samples, more blocks) and back, each
+    # call's counters left at zero for the next. A counter left behind would skip or repeat a sample's means.
+    w, b = _weights(rng, 16, 3, 3)
+    shapes = [(1, 3, 16, 32, 32), (128, 3, 16, 32, 32), (2, 3, 5, 6, 7), (300, 3, 6, 6, 6), (1, 3, 16, 32, 32),
+              (7, 3, 40, 41, 42), (1, 3, 3, 3, 3), (128, 3, 16, 32, 32)]
+    inputs = [torch.randn(s, generator=rng).to(DEV) for s in shapes]
+    expected = [_two_launch(x, w, b) for x in inputs]
+    for stream in (torch.cuda.current_stream(), torch.cuda.Stream()):
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                _poison_allocator()
+                got = [cuda_kernels.forward(x, w, b) for x in inputs]  # enqueued back to back
+                for shape, g, e in zip(shapes, got, expected, strict=True):
+                    assert torch.equal(g, e), shape
+        stream.synchronize()
+    assert relative_error(expected[1], reference_float64(inputs[1], w, b)) <= FP32_TOL
+
+
+def test_one_launch_on_many_streams_and_threads(rng):
+    # More streams than the library keeps scratch for (the rest take a workspace), used at once from several
+    # threads, two of which share a stream: every result is the two-launch one.
+    import threading
+
+    w, b = _weights(rng, 16, 3, 3)
+    shapes = [(1, 3, 16, 32, 32), (16, 3, 16, 32, 32), (3, 3, 9, 10, 12)]
+    inputs = [torch.randn(s, generator=rng).to(DEV) for s in shapes]
+    expected = [_two_launch(x, w, b) for x in inputs]
+    streams = [torch.cuda.Stream() for _ in range(32)] + [torch.cuda.Stream(priority=-1) for _ in range(40)]
+    assert len({s.cuda_stream for s in streams}) > 64 - 1  # with the default stream, beyond the library's 64
+    failures = []
+    torch.cuda.synchronize()
+
+    def work(mine):
+        try:
+            for _ in range(3):
+                for stream in mine:
+                    with torch.cuda.stream(stream):
+                        got = [cuda_kernels.forward(x, w, b) for x in inputs]
+                    stream.synchronize()
+                    failures.extend(s for s, g, e in zip(shapes, got, expected, strict=True) if not torch.equal(g, e))
+        except Exception as exc:  # reported below
+            failures.append(repr(exc))
+
+    threads = [threading.Thread(target=work, args=([*streams[i::4], streams[0]],)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert failures == []
+
+
 def test_opcheck_cuda(rng):
     for cout, cin, k in ((16, 3, 3), (5, 2, 2)):
         w, b = _weights(rng, cout, cin, k)
