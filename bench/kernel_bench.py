@@ -1,4 +1,5 @@
-"""Kernel benchmark: eager PyTorch (TF32 off/on), torch.compile, and the fused op (plain, TF32 mode, CUDA graph).
+"""Kernel benchmark: eager PyTorch (TF32 off/on), torch.compile, and the fused op (plain: one launch; with a
+workspace and a second kernel for the means, as graphs take it; TF32 mode; CUDA graph).
 
     python bench/kernel_bench.py [--out bench/results] [--iters 50]
 
@@ -132,6 +133,8 @@ def main(argv=None) -> int:
             label = "fused" if variant == 0 else f"fused v{variant}"
             results[label] = time_fn(lambda x, v=variant: cuda_kernels.forward(x, w, b, v), inputs, args.iters,
                                      block)
+        results["fused, 2 launches"] = time_fn(lambda x: cuda_kernels.forward(x, w, b, one_launch=False), inputs,
+                                               args.iters, block)
         results["fused tf32"] = time_fn(lambda x: cuda_kernels.forward(x, w, b, 0, "tf32"), inputs, args.iters,
                                         block)
         halves = [x.half() for x in inputs]  # float16 input (the FP16 wire format), same values rounded

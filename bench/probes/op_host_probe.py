@@ -1,14 +1,15 @@
 """The host's cost of one batch-1 call of the fused op, by way of calling it, back to back on one thread.
 
-Rows: a plain torch launch (for scale), ``kernels.cuda.forward`` (the ctypes launch),
-``torch.ops.voxserve.fused_forward`` (the dispatcher),
+Rows: a plain torch launch (for scale), ``kernels.cuda.forward`` (the ctypes launch; one launch, and two with
+a workspace), ``torch.ops.voxserve.fused_forward`` (the dispatcher),
 ``kernels.fused_forward`` (the public function: eager CUDA calls skip the dispatcher), and eager PyTorch's
-whole five-op model. Each: ``--calls`` calls enqueued back to back after a warm-up, wall time per call.
-Then the parts of one ``kernels.cuda.forward`` call, each timed alone the same way: its argument-layout
-lookup, the two allocations, the weights' host copy lookup, the current stream, and the library call with its
-arguments ready (the two kernel launches).
+whole five-op model. Two columns: ``--calls`` calls enqueued back to back after a warm-up, wall time per call
+(the slower of the host and the GPU); and the host alone: ``--behind`` calls enqueued behind a GPU kept busy by
+a sleep kernel, so that none waits for the GPU. Then the parts of one ``kernels.cuda.forward`` call, each timed
+alone the same way: its argument-layout lookup, the allocations, the weights' host copy lookup, the current
+stream, and the library call with its arguments ready (one launch, or two with a workspace).
 
-    python bench/probes/op_host_probe.py [--calls 5000]
+    python bench/probes/op_host_probe.py [--calls 5000] [--behind 200]
 """
 
 from __future__ import annotations
@@ -21,11 +22,15 @@ import torch
 from voxserve.kernels import cuda as fused_cuda
 from voxserve.kernels import fused_forward, reference, reference_weights
 
+SLEEP_CYCLES = 100_000_000  # ~50 ms of GPU clock: longer than any row's --behind calls take to enqueue
 
-def per_call_us(fn, calls: int) -> float:
+
+def per_call_us(fn, calls: int, behind_sleep: bool = False) -> float:
     for _ in range(50):
         fn()
     torch.cuda.synchronize()
+    if behind_sleep:
+        torch.cuda._sleep(SLEEP_CYCLES)
     t0 = time.perf_counter()
     for _ in range(calls):
         fn()
@@ -34,9 +39,15 @@ def per_call_us(fn, calls: int) -> float:
     return elapsed / calls * 1e6
 
 
+def both(fn, args) -> str:
+    return f"{per_call_us(fn, args.calls):.1f} | {per_call_us(fn, args.behind, behind_sleep=True):.1f}"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--calls", type=int, default=5000)
+    ap.add_argument("--behind", type=int, default=200, help="calls timed behind the sleeping GPU (the launch queue "
+                    "holds about a thousand kernels; more would wait for it)")
     args = ap.parse_args()
     w, b = (t.cuda() for t in reference_weights())
     x = torch.randn((1, 3, 16, 32, 32), device="cuda")
@@ -44,20 +55,21 @@ def main() -> None:
     rows = [
         ("plain torch launch (y.add_(1))", lambda: y.add_(1)),
         ("kernels.cuda.forward (ctypes launch)", lambda: fused_cuda.forward(x, w, b)),
+        ("kernels.cuda.forward, workspace and two launches", lambda: fused_cuda.forward(x, w, b, one_launch=False)),
         ("torch.ops.voxserve.fused_forward (dispatcher)", lambda: torch.ops.voxserve.fused_forward(x, w, b, "fp32")),
         ("kernels.fused_forward (public; eager skips the dispatcher)", lambda: fused_forward(x, w, b)),
         ("eager PyTorch, the five-op model", lambda: reference(x, w, b)),
     ]
-    print(f"{torch.cuda.get_device_name()}; batch 1 (1, 3, 16, 32, 32); {args.calls} calls per row")
-    print("| call | host us per call |")
-    print("|---|---:|")
+    print(f"{torch.cuda.get_device_name()}; batch 1 (1, 3, 16, 32, 32); {args.calls} calls per row back to back, "
+          f"{args.behind} behind a sleeping GPU")
+    header = "| us per call, back to back | host alone |\n|---|---:|---:|"
+    print(f"| call {header}")
     for name, fn in rows:
-        print(f"| {name} | {per_call_us(fn, args.calls):.1f} |", flush=True)
+        print(f"| {name} | {both(fn, args)} |", flush=True)
     print()
-    print("| part of kernels.cuda.forward | host us per call |")
-    print("|---|---:|")
+    print(f"| part of kernels.cuda.forward {header}")
     for name, fn in launch_parts(x, w, b):
-        print(f"| {name} | {per_call_us(fn, args.calls):.1f} |", flush=True)
+        print(f"| {name} | {both(fn, args)} |", flush=True)
 
 
 def launch_parts(x, w, b):
@@ -69,9 +81,11 @@ def launch_parts(x, w, b):
     workspace = torch.empty(prep.floats, device=prep.device)
     w_host, b_host = fused_cuda._host_weights.get(w, b)
     stream = fused_cuda._raw_stream(prep.index)
-    args = (x.data_ptr(), prep.dtype_code, prep.sizes, prep.strides, prep.cout, prep.k, w.data_ptr(), b.data_ptr(),
-            w_host.data_ptr(), b_host.data_ptr(), out.data_ptr(), workspace.data_ptr(), 0, prep.precision_code,
-            prep.index, stream)
+    head = (x.data_ptr(), prep.dtype_code, prep.sizes, prep.strides, prep.cout, prep.k, w.data_ptr(), b.data_ptr(),
+            w_host.data_ptr(), b_host.data_ptr(), out.data_ptr())
+    tail = (0, prep.precision_code, prep.index, stream)
+    two = (*head, workspace.data_ptr(), *tail)
+    one = (*head, None, *tail)
     return [
         ("layout key and lookup", lambda: fused_cuda._prepared.get(fused_cuda._layout_key(x, w, b, "fp32"))),
         ("torch.empty of the output", lambda: torch.empty(prep.out_shape, device=prep.device, dtype=torch.float32)),
@@ -80,7 +94,8 @@ def launch_parts(x, w, b):
         ("current raw stream", lambda: fused_cuda._raw_stream(prep.index)),
         ("five data_ptr() calls", lambda: (x.data_ptr(), w.data_ptr(), b.data_ptr(), out.data_ptr(),
                                            workspace.data_ptr())),
-        ("voxserve_forward, arguments ready (two launches)", lambda: lib.voxserve_forward(*args)),
+        ("voxserve_forward, arguments ready (one launch)", lambda: lib.voxserve_forward(*one)),
+        ("voxserve_forward, arguments ready (workspace, two launches)", lambda: lib.voxserve_forward(*two)),
     ]
 
 
