@@ -3,8 +3,8 @@
 # poisons a process, so the hostile suite runs first, alone, with -x), then optional probes.
 # Usage: bash bench/device_gpu_suites.sh [test files to run first...]
 #   PROBE=1 also runs bench/probes/cuda_shm_probe.py; SUITES=0 skips the default suites.
-#   LIMIT_S (default 590): the whole run's seconds; each suite's timeout is cut to what is left, and a suite
-#   with under 30 s left is listed as not run.
+#   LIMIT_S (default 590): the whole run's seconds; each suite's (and the probe's) timeout is cut to what is
+#   left, and one with under 30 s left is listed as not run. A file named as an argument runs once, first.
 #   .native/voxserve-native.tar.xz (bench/native_carry.sh), when carried, is unpacked for the native front end's
 #   tests (they skip without it: the device has no gRPC C++ library to build it).
 # Writes $OUT/gpu-suites.txt (and $OUT/cuda-shm-probe-<device>.md).
@@ -20,8 +20,14 @@ if [ -f .native/voxserve-native.tar.xz ]; then
   export VOXSERVE_NATIVE_FRONTEND=/tmp/voxserve-native/voxserve-frontend
   export LD_LIBRARY_PATH=/tmp/voxserve-native/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 fi
+ran=" "  # the files named as arguments: run first, and left out of the default suites
+left_s() { echo $(( ${LIMIT_S:-590} - SECONDS - 10 )); }
 suite() {  # suite <timeout> <pytest args...>
-  local limit=$1 left=$(( ${LIMIT_S:-590} - SECONDS - 10 )); shift
+  local limit=$1 left args=() a; shift
+  for a in "$@"; do [[ "$ran" == *" $a "* ]] || args+=("$a"); done
+  set -- "${args[@]}"
+  [[ " $* " == *" tests/"* ]] || return 0  # every file of it ran already
+  left=$(left_s)
   if [ "$left" -lt 30 ]; then echo "== $*: not run (out of time)" | tee -a "$OUT/gpu-suites.txt"; return; fi
   [ "$limit" -gt "$left" ] && limit=$left
   echo "== $*" | tee -a "$OUT/gpu-suites.txt"
@@ -29,7 +35,7 @@ suite() {  # suite <timeout> <pytest args...>
   echo "   rc=$?" >> "$OUT/gpu-suites.txt"
   tail -n 40 "$OUT/gpu-suites.txt" | grep -E '^(FAILED|ERROR)|passed|failed|skipped|rc=' | tail -6
 }
-for first in "$@"; do suite 240 "$first"; done
+for first in "$@"; do suite 240 "$first"; ran+="$first "; done
 if [ "${SUITES:-1}" != 0 ]; then
   suite 240 -x tests/core/test_cuda_shm_hostile_gpu.py
   suite 200 tests/core/test_ipccheck.py tests/kernels/test_devicemem_contract.py tests/core/test_hostmem_contract.py
@@ -41,5 +47,7 @@ if [ "${SUITES:-1}" != 0 ]; then
 fi
 if [ "${PROBE:-0}" = 1 ]; then
   name=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | tr 'A-Z ' 'a-z-')
-  timeout 240 python3 bench/probes/cuda_shm_probe.py --commit "${COMMIT:-$commit}" --out "$OUT/cuda-shm-probe-$name.md" 2>&1 | tail -25
+  left=$(left_s); [ "$left" -gt 240 ] && left=240
+  if [ "$left" -lt 30 ]; then echo "== cuda_shm_probe: not run (out of time)" | tee -a "$OUT/gpu-suites.txt"; exit 0; fi
+  timeout "$left" python3 bench/probes/cuda_shm_probe.py --commit "${COMMIT:-$commit}" --out "$OUT/cuda-shm-probe-$name.md" 2>&1 | tail -25
 fi
