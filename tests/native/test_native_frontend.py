@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import os
 import shutil
+import signal
 import socket
 import subprocess
 import tempfile
@@ -47,6 +49,15 @@ def binary() -> Path:
 
 
 @pytest.fixture
+def toolchain() -> None:
+    """The build tools and libraries themselves (a machine given a prebuilt binary may lack them)."""
+    try:
+        build._toolchain()
+    except build.NativeBuildError as exc:
+        pytest.skip(f"no toolchain to build voxserve-frontend here: {exc}")
+
+
+@pytest.fixture
 def sock_dir() -> Iterator[Path]:
     """A short directory for Unix sockets (their paths are limited to 107 bytes; pytest's tmp_path can be longer)."""
     path = Path(tempfile.mkdtemp(prefix="vxn-", dir="/tmp"))
@@ -73,14 +84,29 @@ def real() -> Iterator[tuple[ServerProcess, str]]:
     """A ready `voxserve serve --frontends 1 --device cpu` and its engine's socket (from the engine process's
     environment, as bench/probes/native_frontend/compare.py finds it)."""
     with ServerProcess(["--frontends", "1", "--device", "cpu"]) as server:
-        sockets = []
-        for pid in server.pids():
-            with contextlib.suppress(OSError):
-                env = dict(kv.split("=", 1) for kv in Path(f"/proc/{pid}/environ").read_text().split("\0") if "=" in kv)
-                if env.get("VOXSERVE_ROLE") == "engine":
-                    sockets.append(env["VOXSERVE_ENGINE_SOCKET"])
-        assert len(sockets) == 1, sockets
-        yield server, sockets[0]
+        (_pid, engine_socket), = engines(server)
+        yield server, engine_socket
+
+
+def engines(server: ServerProcess) -> list[tuple[int, str]]:
+    """(pid, socket) of each engine process of ``server``."""
+    found = []
+    for pid in server.pids():
+        with contextlib.suppress(OSError):
+            env = dict(kv.split("=", 1) for kv in Path(f"/proc/{pid}/environ").read_text().split("\0") if "=" in kv)
+            if env.get("VOXSERVE_ROLE") == "engine":
+                found.append((pid, env["VOXSERVE_ENGINE_SOCKET"]))
+    return found
+
+
+@contextlib.contextmanager
+def paused(pid: int) -> Iterator[None]:
+    """The process stopped (SIGSTOP) for the block, then continued, whatever happens in it."""
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        os.kill(pid, signal.SIGCONT)
 
 
 @contextlib.contextmanager
@@ -602,16 +628,19 @@ def test_deadlines_travel_in_the_record_and_cancel_when_they_pass(binary, held, 
 
 def test_calls_waiting_for_arena_room_are_cancelled_and_later_calls_work_on_a_real_engine(binary, real, partner):
     """The prototype's burst: 12 calls of 3 MB into an 8 MiB arena (two fit at once, the rest wait for room), half
-    cancelled by the client, half by a short deadline; then a plain call, which is answered; nothing stays held."""
-    _server, engine_socket = real
+    cancelled by the client, half by a short deadline; then a plain call, which is answered; nothing stays held.
+    The engine is paused while the burst arrives, so the first calls keep their room however fast it would be."""
+    server, engine_socket = real
+    (engine_pid, _), = engines(server)
     x = np.random.default_rng(1).standard_normal((16, 3, 16, 32, 32), dtype=np.float32)
     payload = build_request(x, "voxnet", "FP32").SerializeToString()
     with native(binary, [engine_socket], partner, "--arena-bytes", str(8 << 20)) as fe, \
             grpc.insecure_channel(fe.url, options=[("grpc.max_send_message_length", 1 << 27)]) as channel:
-        futures = [channel.unary_unary(INFER).future(payload, timeout=0.05 if i % 2 else 60) for i in range(12)]
-        wait_for(lambda: fe.counters()["waiting"] > 0, what="calls waiting for arena room")
-        for future in futures[::2]:
-            future.cancel()
+        with paused(engine_pid):
+            futures = [channel.unary_unary(INFER).future(payload, timeout=0.05 if i % 2 else 60) for i in range(12)]
+            wait_for(lambda: fe.counters()["waiting"] > 0, what="calls waiting for arena room")
+            for future in futures[::2]:
+                future.cancel()
         for future in futures:
             with contextlib.suppress(grpc.RpcError, grpc.FutureCancelledError):
                 future.result()
@@ -684,7 +713,7 @@ def test_the_build_is_cached_and_a_prebuilt_binary_can_be_named(binary, monkeypa
     assert build.build() == binary
 
 
-def test_a_missing_tool_is_named_with_its_debian_package(monkeypatch):
+def test_a_missing_tool_is_named_with_its_debian_package(toolchain, monkeypatch):
     real_which = shutil.which
     monkeypatch.delenv(build.ENV_BINARY, raising=False)
     monkeypatch.setattr(build.shutil, "which", lambda name: None if name in ("protoc", "g++") else real_which(name))
@@ -696,7 +725,7 @@ def test_a_missing_tool_is_named_with_its_debian_package(monkeypatch):
             in message)
 
 
-def test_a_missing_library_is_named_with_its_debian_package(binary, monkeypatch):
+def test_a_missing_library_is_named_with_its_debian_package(binary, toolchain, monkeypatch):
     monkeypatch.delenv(build.ENV_BINARY, raising=False)
     monkeypatch.setattr(build, "PKG_CONFIG_PACKAGES", ("grpc++", "libcrypto", "voxserve-no-such-package"))
     monkeypatch.setitem(build.DEBIAN_PACKAGES, "voxserve-no-such-package", "libnothing-dev")
@@ -705,7 +734,7 @@ def test_a_missing_library_is_named_with_its_debian_package(binary, monkeypatch)
         build.build()
 
 
-def test_concurrent_builds_wait_for_each_other(binary, monkeypatch, tmp_path):
+def test_concurrent_builds_wait_for_each_other(binary, toolchain, monkeypatch, tmp_path):
     """Two builders of the same sources into an empty cache: one compiles (here a stand-in that copies the built
     binary), the other waits on the lock and takes its result."""
     monkeypatch.delenv(build.ENV_BINARY, raising=False)
