@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import functools
+import logging
 import os
 import threading
 from collections import OrderedDict
@@ -34,6 +35,7 @@ GENERAL_MAX_COUT = 64
 # kernel (the default where the library has sm_90a code and the GPU is compute capability 9.0; 3
 # elsewhere); 2-5 take contiguous float32 input only, other inputs fall back to the tile kernel.
 VARIANTS = (1, 2, 3, 4, 5)
+log = logging.getLogger(__name__)
 _DTYPE_CODES = {dtype: code for code, dtype in enumerate(SUPPORTED_INPUT_DTYPES)}  # fused.cu's dtype codes
 _PRECISION_CODES = {"fp32": 0, "tf32": 1}  # ops.PRECISIONS
 
@@ -158,14 +160,20 @@ class _HostWeights:
     Keyed by the tensors' storage and version counter; the cache holds the
     tensors themselves so that their memory cannot be reused by other tensors
     while an entry lives, and an in-place update bumps the version (a new entry).
-    Device addresses are unique across devices (unified addressing), so the key
-    needs no device. Lookups take no lock (a dict read and a move to the end); inserts do.
+    A change through ``.data`` is not counted by PyTorch, so it is not seen here:
+    change weights in place under ``torch.no_grad()`` instead. Tensors made under
+    ``torch.inference_mode`` have no version counter: they are copied on every
+    call (a warning says so once). Device addresses are unique across devices
+    (unified addressing), so the key needs no device. The capacity covers a model
+    per GPU of a process serving many (--devices): the specialised weights are
+    5 KB each. Lookups take no lock (a dict read and a move to the end); inserts do.
     """
 
-    def __init__(self, capacity: int = 4) -> None:
+    def __init__(self, capacity: int = 64) -> None:
         self._entries: OrderedDict[tuple, tuple] = OrderedDict()
         self._capacity = capacity
         self._lock = threading.Lock()
+        self._warned_uncached = False
 
     def get(self, weight: torch.Tensor, bias: torch.Tensor):
         try:
@@ -179,12 +187,17 @@ class _HostWeights:
             with contextlib.suppress(KeyError):
                 self._entries.move_to_end(key)
             return entry[2], entry[3]
-        if torch.cuda.is_current_stream_capturing():
+        if weight.is_cuda and torch.cuda.is_current_stream_capturing():
             raise RuntimeError("voxserve::fused_forward: run the op once outside CUDA graph capture first, so the "
                                "weights' host copy exists (a copy during capture would synchronise)")
         w_host = weight.detach().to("cpu", torch.float32).contiguous()
         b_host = bias.detach().to("cpu", torch.float32).contiguous()
         entry = (weight, bias, w_host, b_host)
+        if key is None and not self._warned_uncached:
+            self._warned_uncached = True
+            log.warning("voxserve::fused_forward: weights made under torch.inference_mode have no version counter, so "
+                        "their host copy is made again on every call (a device-to-host copy that waits for the GPU); "
+                        "make the weights outside inference_mode to have it kept")
         if key is not None:
             with self._lock:
                 self._entries[key] = entry
