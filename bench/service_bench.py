@@ -122,7 +122,7 @@ def rest_level(host_port: str, x: np.ndarray, binary: bool, concurrency: int, ta
     print(f"  {target} (REST {kind}): {len(x)} samples x c={concurrency}", file=sys.stderr, flush=True)
     common = dict(duration_s=duration_s, requests=None, model=model, target=f"{target}, REST {kind}",
                   timeout_s=300.0)
-    if processes > 1:
+    if min(processes, concurrency) > 1:
         return run_level_processes(host_port, body, len(x), x.nbytes, concurrency, processes=processes,
                                    statistics=False, driver=run_rest_level,
                                    driver_options={"json_length": json_length}, **common)
@@ -136,7 +136,7 @@ def rest_rows(args, out: dict[str, list[LevelResult]], host_port: str, full: np.
     ~130 MB of JSON) and batch 1 at c=64 (binary and JSON)."""
     d, one = args.duration, full[:1].copy()
     for c in args.full_concurrency:
-        out["rest_full"].append(rest_level(host_port, full, True, c, target, d, model=model))
+        out["rest_full"].append(rest_level(host_port, full, True, c, target, d, args.full_processes, model=model))
     if full_json:
         out["rest_full"].append(rest_level(host_port, full, False, 1, target, d, model=model))
     for binary in (True, False):
@@ -420,7 +420,8 @@ def main() -> int:
                         help="engine processes behind the front ends (--replicas N; on one GPU they share it)")
     parser.add_argument("--processes", type=int, default=1, help="load processes of the batch-1 client")
     parser.add_argument("--full-processes", type=int, default=1,
-                        help="load processes of the full-batch client (at most the level's concurrency), every server")
+                        help="load processes of the full-batch client (at most the level's concurrency), every server, "
+                        "gRPC and REST")
     parser.add_argument("--connections", type=int, default=1, help="connections of the batch-1 client")
     parser.add_argument("--triton", nargs="?", const="auto", default=None, metavar="WHEEL",
                         help="also run Triton Inference Server: the nvidia-pytriton wheel (or a zip of its server "
