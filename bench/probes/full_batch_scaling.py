@@ -14,23 +14,21 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import datetime
 import os
 import platform
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
+from sink_compare import SINK, cpp_sink  # bench/probes/ (this script's folder)
 
 from voxserve.client import build_request
 from voxserve.client.bench import LevelResult, raw_sink, run_level, run_level_processes
 from voxserve.testing.load import ServerProcess
 
 ROOT = Path(__file__).resolve().parents[2]
-SINK = ROOT / "build" / "cpp_sink" / "sink"
 
 
 def level(url: str, payload: bytes, nbytes: int, concurrency: int, processes: int, duration: float,
@@ -41,21 +39,6 @@ def level(url: str, payload: bytes, nbytes: int, concurrency: int, processes: in
     if min(processes, concurrency) > 1:
         return run_level_processes(url, payload, 128, nbytes, concurrency, processes=processes, **common)
     return asyncio.run(run_level(url, payload, 128, nbytes, concurrency, **common))
-
-
-@contextlib.contextmanager
-def cpp_sink() -> Iterator[str | None]:
-    """The C++ sink's URL, or None when it is not built."""
-    if not SINK.exists():
-        yield None
-        return
-    proc = subprocess.Popen([str(SINK), "0"], stdout=subprocess.PIPE, text=True)
-    try:
-        port = int(proc.stdout.readline().split()[1])  # type: ignore[union-attr]
-        yield f"127.0.0.1:{port}"
-    finally:
-        proc.terminate()
-        proc.wait(10)
 
 
 def main() -> int:
@@ -82,8 +65,8 @@ def main() -> int:
 
     with raw_sink() as url:
         sweep(url, "Python sink (grpc.aio)", "sink")
-    with cpp_sink() as url:
-        if url is not None:
+    if SINK.exists():
+        with cpp_sink() as (url, _pid):
             sweep(url, "C++ sink (grpc++ sync)", "sink")
     serve = ["--device", args.device, "--max-message-bytes", str(512 * 1024 * 1024), "--frontends",
              str(args.frontends), "--frontend-impl", args.impl, "--replicas", str(args.engines)]

@@ -14,11 +14,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import datetime
 import os
 import platform
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -52,6 +54,18 @@ def measure(url: str, pid: int, payload: bytes, samples: int, nbytes: int, concu
     return result.rps, result.percentile(50), used / answered * 1e6
 
 
+@contextlib.contextmanager
+def cpp_sink() -> Iterator[tuple[str, int]]:
+    """The running C++ sink (built by bench/probes/cpp_sink/build.sh): its URL and process id."""
+    proc = subprocess.Popen([str(SINK), "0"], stdout=subprocess.PIPE, text=True)
+    try:
+        port = int(proc.stdout.readline().split()[1])  # type: ignore[union-attr]
+        yield f"127.0.0.1:{port}", proc.pid
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
 def python_sink_pid(url: str) -> int:
     """The raw sink's process (a child of this one, listening on ``url``'s port)."""
     port = url.rsplit(":", 1)[1]
@@ -79,20 +93,13 @@ def main() -> int:
              ("batch 1, c=64", build_request(one, "sink", "FP32").SerializeToString(), 1, one.nbytes, 64,
               args.processes, args.connections)]
     rows = []
-    cpp = subprocess.Popen([str(SINK), "0"], stdout=subprocess.PIPE, text=True)
-    try:
-        port = int(cpp.stdout.readline().split()[1])  # type: ignore[union-attr]
-        with raw_sink() as url:
-            py_pid = python_sink_pid(url)
-            for label, payload, samples, nbytes, c, procs, conns in loads:
-                for name, target, pid in (("Python (grpc.aio)", url, py_pid), ("C++ (grpc++ sync)",
-                                                                               f"127.0.0.1:{port}", cpp.pid)):
-                    print(f"  {name}: {label}", file=sys.stderr, flush=True)
-                    rows.append((label, name, *measure(target, pid, payload, samples, nbytes, c, procs, conns,
-                                                       args.duration)))
-    finally:
-        cpp.terminate()
-        cpp.wait(10)
+    with cpp_sink() as (cpp_url, cpp_pid), raw_sink() as url:
+        py_pid = python_sink_pid(url)
+        for label, payload, samples, nbytes, c, procs, conns in loads:
+            for name, target, pid in (("Python (grpc.aio)", url, py_pid), ("C++ (grpc++ sync)", cpp_url, cpp_pid)):
+                print(f"  {name}: {label}", file=sys.stderr, flush=True)
+                rows.append((label, name, *measure(target, pid, payload, samples, nbytes, c, procs, conns,
+                                                   args.duration)))
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                             cwd=ROOT).stdout.strip()
     lines = ["# The transport's own cost: gRPC's Python server against its C++ server (trivial sinks)", "",
