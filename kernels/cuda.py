@@ -40,7 +40,8 @@ _DTYPE_CODES = {dtype: code for code, dtype in enumerate(SUPPORTED_INPUT_DTYPES)
 _PRECISION_CODES = {"fp32": 0, "tf32": 1}  # ops.PRECISIONS
 
 ENTRY_POINTS = ("voxserve_last_error", "voxserve_is_specialised", "voxserve_workspace_floats", "voxserve_forward",
-                "voxserve_plan", "voxserve_notify", "voxserve_copy_spans", "voxserve_execution_size",
+                "voxserve_layout_size", "voxserve_forward_layout", "voxserve_plan", "voxserve_notify",
+                "voxserve_copy_spans", "voxserve_execution_size",
                 "voxserve_events_create", "voxserve_events_destroy", "voxserve_event_query",
                 "voxserve_event_synchronize", "voxserve_elapsed_ms", "voxserve_graph_capture",
                 "voxserve_graph_destroy", "voxserve_execute", "voxserve_ipc_open", "voxserve_ipc_close",
@@ -67,6 +68,13 @@ class Execution(ctypes.Structure):
     ]
 
 
+class Layout(ctypes.Structure):
+    """fused.cu's VoxLayout: voxserve_forward's arguments that one argument layout fixes (voxserve_forward_layout)."""
+
+    _fields_ = [("sizes", ctypes.c_longlong * 5), ("strides", ctypes.c_longlong * 5), ("dtype", ctypes.c_int),
+                ("cout", ctypes.c_int), ("k", ctypes.c_int), ("precision", ctypes.c_int), ("device", ctypes.c_int)]
+
+
 class _Library:
     """The loaded shared library with typed entry points."""
 
@@ -85,6 +93,13 @@ class _Library:
         lib.voxserve_forward.argtypes = [p, i, ctypes.POINTER(ll), ctypes.POINTER(ll), i, i, f, f, f, f, f, f, i, i, i,
                                          p]
         lib.voxserve_forward.restype = i
+        lib.voxserve_layout_size.restype = ll
+        if lib.voxserve_layout_size() != ctypes.sizeof(Layout):
+            raise KernelBuildError(f"{path}: its VoxLayout is {lib.voxserve_layout_size()} bytes, kernels/cuda.py's "
+                                   f"mirror {ctypes.sizeof(Layout)}: rebuild the library")
+        # Pointers only (and the variant): ctypes converts these several times faster than arrays and integers.
+        lib.voxserve_forward_layout.argtypes = [p, p, f, f, f, f, f, p, i]
+        lib.voxserve_forward_layout.restype = i
         lib.voxserve_plan.argtypes = [p, i, ctypes.POINTER(ll), ctypes.POINTER(ll), i, i, i, i, i,
                                       ctypes.POINTER(ctypes.c_int)]
         lib.voxserve_plan.restype = i
@@ -219,8 +234,8 @@ class _Prepared:
     as the op does: the ctypes arrays, the workspace size, whether the specialised kernel runs and the launch's
     fixed integer arguments."""
 
-    __slots__ = ("cout", "device", "dtype_code", "fallback", "floats", "index", "k", "n", "out_shape",
-                 "precision_code", "sizes", "specialised", "strides")
+    __slots__ = ("cout", "device", "dtype_code", "fallback", "floats", "index", "k", "layout", "layout_ptr", "n",
+                 "out_shape", "precision_code", "sizes", "specialised", "strides")
 
     def __init__(self, lib, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, precision: str) -> None:
         ops.check_arguments(x, weight, bias)
@@ -239,6 +254,9 @@ class _Prepared:
         self.floats = lib.voxserve_workspace_floats(self.sizes, self.cout, self.k)
         if self.floats < 0:
             raise ValueError(f"shape {tuple(x.shape)} is invalid for kernel size {self.k}")
+        self.layout = Layout(self.sizes, self.strides, self.dtype_code, self.cout, self.k, self.precision_code,
+                             self.index)
+        self.layout_ptr = ctypes.addressof(self.layout)  # (the struct lives as long as this)
 
 
 _prepared: dict[tuple, _Prepared] = {}
@@ -287,13 +305,15 @@ def forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, variant: 
     if prep.specialised:
         w_host, b_host = _host_weights.get(weight, bias)
         w_host_ptr, b_host_ptr = w_host.data_ptr(), b_host.data_ptr()
-    head = (x.data_ptr(), prep.dtype_code, prep.sizes, prep.strides, prep.cout, prep.k, weight.data_ptr(),
-            bias.data_ptr(), w_host_ptr, b_host_ptr, out.data_ptr())
-    tail = (variant, prep.precision_code, prep.index, _raw_stream(prep.index))
-    rc = lib.voxserve_forward(*head, None, *tail) if one_launch else _NEEDS_WORKSPACE
+    stream = _raw_stream(prep.index)
+    rc = (lib.voxserve_forward_layout(prep.layout_ptr, x.data_ptr(), weight.data_ptr(), bias.data_ptr(), w_host_ptr,
+                                      b_host_ptr, out.data_ptr(), stream, variant)
+          if one_launch else _NEEDS_WORKSPACE)
     if rc == _NEEDS_WORKSPACE:
         workspace = torch.empty(prep.floats, device=prep.device, dtype=_FLOAT32)  # freed stream-ordered: no wait
-        rc = lib.voxserve_forward(*head, workspace.data_ptr(), *tail)
+        rc = lib.voxserve_forward(x.data_ptr(), prep.dtype_code, prep.sizes, prep.strides, prep.cout, prep.k,
+                                  weight.data_ptr(), bias.data_ptr(), w_host_ptr, b_host_ptr, out.data_ptr(),
+                                  workspace.data_ptr(), variant, prep.precision_code, prep.index, stream)
     if rc != 0:
         raise RuntimeError(f"voxserve::fused_forward: {lib.voxserve_last_error().decode()}")
     return out

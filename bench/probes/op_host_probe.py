@@ -7,7 +7,8 @@ whole five-op model. Two columns: ``--calls`` calls enqueued back to back after 
 (the slower of the host and the GPU); and the host alone: ``--behind`` calls enqueued behind a GPU kept busy by
 a sleep kernel, so that none waits for the GPU. Then the parts of one ``kernels.cuda.forward`` call, each timed
 alone the same way: its argument-layout lookup, the allocations, the weights' host copy lookup, the current
-stream, and the library call with its arguments ready (one launch, or two with a workspace).
+stream, and the library call with its arguments ready (one launch with the layout's fixed arguments in a struct,
+as forward() calls it; the same with all 16 arguments; two launches with a workspace).
 
     python bench/probes/op_host_probe.py [--calls 5000] [--behind 200]
 """
@@ -86,6 +87,8 @@ def launch_parts(x, w, b):
     tail = (0, prep.precision_code, prep.index, stream)
     two = (*head, workspace.data_ptr(), *tail)
     one = (*head, None, *tail)
+    packed = (prep.layout_ptr, x.data_ptr(), w.data_ptr(), b.data_ptr(), w_host.data_ptr(), b_host.data_ptr(),
+              out.data_ptr(), stream, 0)
     return [
         ("layout key and lookup", lambda: fused_cuda._prepared.get(fused_cuda._layout_key(x, w, b, "fp32"))),
         ("torch.empty of the output", lambda: torch.empty(prep.out_shape, device=prep.device, dtype=torch.float32)),
@@ -94,7 +97,9 @@ def launch_parts(x, w, b):
         ("current raw stream", lambda: fused_cuda._raw_stream(prep.index)),
         ("five data_ptr() calls", lambda: (x.data_ptr(), w.data_ptr(), b.data_ptr(), out.data_ptr(),
                                            workspace.data_ptr())),
-        ("voxserve_forward, arguments ready (one launch)", lambda: lib.voxserve_forward(*one)),
+        ("voxserve_forward_layout, arguments ready (one launch; what forward calls)",
+         lambda: lib.voxserve_forward_layout(*packed)),
+        ("voxserve_forward, arguments ready (one launch, 16 arguments)", lambda: lib.voxserve_forward(*one)),
         ("voxserve_forward, arguments ready (workspace, two launches)", lambda: lib.voxserve_forward(*two)),
     ]
 

@@ -1692,6 +1692,24 @@ int voxserve_forward(const void* x, int dtype, const long long* sizes, const lon
                         Finish{out, e->counters, plan.blocks, inv_voxels}, stream);
 }
 
+// voxserve_forward's arguments that one argument layout fixes (kernels/cuda.py keeps one per layout, so an eager call
+// passes pointers only: ctypes converts those several times faster than arrays and integers).
+struct VoxLayout {
+  long long sizes[5];
+  long long strides[5];
+  int dtype, cout, k, precision, device;
+};
+
+long long voxserve_layout_size() { return (long long)sizeof(VoxLayout); }
+
+// voxserve_forward(x, layout..., w_dev, b_dev, w_host, b_host, out, NULL, variant, ..., stream): the one-launch path
+// (its answer 2: call voxserve_forward with a workspace).
+int voxserve_forward_layout(const VoxLayout* l, const void* x, const float* w_dev, const float* b_dev,
+                            const float* w_host, const float* b_host, float* out, void* stream_handle, int variant) {
+  return voxserve_forward(x, l->dtype, l->sizes, l->strides, l->cout, l->k, w_dev, b_dev, w_host, b_host, out, nullptr,
+                          variant, l->precision, l->device, stream_handle);
+}
+
 // Enqueue on `stream` a write of 1 to the eventfd `fd`: it becomes readable once everything enqueued before
 // has finished, so an event loop learns of a GPU execution's end without a thread blocking on it. device: the
 // stream's CUDA device. Returns 0, or 1 with voxserve_last_error().
