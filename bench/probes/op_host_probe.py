@@ -91,7 +91,9 @@ def launch_parts(x, w, b):
               out.data_ptr(), stream, 0)
     return [
         ("layout key and lookup", lambda: fused_cuda._prepared.get(fused_cuda._layout_key(x, w, b, "fp32"))),
-        ("torch.empty of the output", lambda: torch.empty(prep.out_shape, device=prep.device, dtype=torch.float32)),
+        ("torch.empty of the output", lambda: torch.empty(prep.n, prep.cout, device=prep.device, dtype=torch.float32)),
+        ("the same, its shape as a tuple", lambda: torch.empty(prep.out_shape, device=prep.device,
+                                                               dtype=torch.float32)),
         ("torch.empty of the workspace", lambda: torch.empty(prep.floats, device=prep.device, dtype=torch.float32)),
         ("weights' host copy lookup", lambda: fused_cuda._host_weights.get(w, b)),
         ("current raw stream", lambda: fused_cuda._raw_stream(prep.index)),
