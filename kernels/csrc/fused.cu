@@ -1530,10 +1530,13 @@ void CUDART_CB write_event(void* fd) {
 // stream took. Keyed by the stream's id, unique for the process's lifetime (a handle reused by a new stream is a
 // new entry). It grows stream-ordered (cudaMallocAsync / cudaFreeAsync on its own stream), and a launch is
 // enqueued under its entry's lock, so another thread's growth is ordered after that launch. Entries are never
-// given back: kScratchStreams of them at most, each at most kScratchMaxFloats; beyond that, or while the stream
-// is capturing a graph, voxserve_forward asks for the caller's workspace instead.
+// given back: kScratchStreams of them at most (streams of the past keep theirs), each at most kScratchMaxFloats
+// (4 MiB: a call needing more is large enough that a second launch costs it nothing), so at most 256 MiB and
+// typically a few KB per stream. Beyond that, or while the stream is capturing a graph, voxserve_forward asks for
+// the caller's workspace instead.
 constexpr int kScratchStreams = 64;
-constexpr long long kScratchMaxFloats = 16LL << 20;  // 64 MiB of partials
+constexpr long long kScratchMaxFloats = 1LL << 20;
+constexpr int kMaxGridYZ = 65535;  // samples per launch (grid y or z)
 
 struct Scratch {
   std::mutex lock;
@@ -1571,10 +1574,14 @@ Scratch* scratch_for(int device, cudaStream_t stream) {
   return free_entry;
 }
 
-// At least `floats` partials and `samples` zeroed counters in `e` (its lock held), allocated on `stream` (twice what
-// is needed, within the cap, so that slowly growing shapes do not reallocate each call). false: CUDA refused (its
-// error cleared); the entry keeps what it had.
-bool scratch_reserve(Scratch& e, long long floats, long long samples, cudaStream_t stream) {
+// A failed free leaves its memory to the process (growth is geometric: rare) and CUDA's error cleared, so that no
+// later check_launch is blamed for it.
+void free_async(void* p, cudaStream_t stream) {
+  if (p != nullptr && cudaFreeAsync(p, stream) != cudaSuccess) cudaGetLastError();
+}
+
+// scratch_reserve's allocations (see there).
+bool scratch_grow(Scratch& e, long long floats, long long samples, cudaStream_t stream) {
   if (floats > e.floats) {
     const long long want = std::min(std::max(floats, 2 * e.floats), kScratchMaxFloats);
     void* p = nullptr;
@@ -1582,7 +1589,7 @@ bool scratch_reserve(Scratch& e, long long floats, long long samples, cudaStream
       cudaGetLastError();
       return false;
     }
-    if (e.partials != nullptr) cudaFreeAsync(e.partials, stream);
+    free_async(e.partials, stream);
     e.partials = static_cast<float*>(p);
     e.floats = want;
   }
@@ -1591,15 +1598,29 @@ bool scratch_reserve(Scratch& e, long long floats, long long samples, cudaStream
     void* p = nullptr;
     if (cudaMallocAsync(&p, static_cast<size_t>(want) * sizeof(unsigned), stream) != cudaSuccess ||
         cudaMemsetAsync(p, 0, static_cast<size_t>(want) * sizeof(unsigned), stream) != cudaSuccess) {
-      if (p != nullptr) cudaFreeAsync(p, stream);
       cudaGetLastError();
+      free_async(p, stream);
       return false;
     }
-    if (e.counters != nullptr) cudaFreeAsync(e.counters, stream);
+    free_async(e.counters, stream);
     e.counters = static_cast<unsigned*>(p);
     e.samples = want;
   }
   return true;
+}
+
+// At least `floats` partials and `samples` zeroed counters in `e` (its lock held), allocated on `stream` (twice what
+// is needed, within the cap, so that slowly growing shapes do not reallocate each call). false: CUDA refused (its
+// error cleared); the entry keeps what it had.
+bool scratch_reserve(Scratch& e, long long floats, long long samples, cudaStream_t stream) {
+  if (floats <= e.floats && samples <= e.samples) return true;
+  // Allowed even while another thread captures a graph in global mode (which refuses this thread's
+  // potentially unsafe calls, and would be invalidated by them): these calls are ordered on a stream not captured.
+  cudaStreamCaptureMode mode = cudaStreamCaptureModeRelaxed;
+  cudaThreadExchangeStreamCaptureMode(&mode);
+  const bool ok = scratch_grow(e, floats, samples, stream);
+  cudaThreadExchangeStreamCaptureMode(&mode);
+  return ok;
 }
 
 // Whether `stream` is capturing a graph (or cannot tell: treated as capturing; CUDA's error cleared).
@@ -1683,11 +1704,14 @@ int voxserve_forward(const void* x, int dtype, const long long* sizes, const lon
     finalize_kernel<<<s.n, 32, 0, stream>>>(workspace, out, plan.blocks, cout, inv_voxels);
     return check_launch("finalize_kernel");
   }
-  if (plan.partial_floats > kScratchMaxFloats || capturing(stream)) return 2;
+  // (A batch beyond the grid's limit goes the workspace's way too, and fails there at its launch, as it always did.)
+  if (plan.partial_floats > kScratchMaxFloats || s.n > kMaxGridYZ) return 2;
   Scratch* e = scratch_for(device, stream);
   if (e == nullptr) return 2;
   std::lock_guard<std::mutex> guard(e->lock);
-  if (!scratch_reserve(*e, plan.partial_floats, s.n, stream)) return 2;
+  // Checked under the lock, just before the launch: a capture begun on this stream by another thread after this
+  // check is the caller's race (one stream used by two threads at once), as with any launch.
+  if (capturing(stream) || !scratch_reserve(*e, plan.partial_floats, s.n, stream)) return 2;
   return dispatch_dtype(x, dtype, s, plan, w_dev, b_dev, w_host, b_host, e->partials,
                         Finish{out, e->counters, plan.blocks, inv_voxels}, stream);
 }
