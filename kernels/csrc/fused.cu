@@ -1705,12 +1705,13 @@ int voxserve_forward(const void* x, int dtype, const long long* sizes, const lon
     return check_launch("finalize_kernel");
   }
   // (A batch beyond the grid's limit goes the workspace's way too, and fails there at its launch, as it always did.)
-  if (plan.partial_floats > kScratchMaxFloats || s.n > kMaxGridYZ) return 2;
+  // Capture first: a stream's id asked for while it captures invalidates the capture.
+  if (plan.partial_floats > kScratchMaxFloats || s.n > kMaxGridYZ || capturing(stream)) return 2;
   Scratch* e = scratch_for(device, stream);
   if (e == nullptr) return 2;
   std::lock_guard<std::mutex> guard(e->lock);
-  // Checked under the lock, just before the launch: a capture begun on this stream by another thread after this
-  // check is the caller's race (one stream used by two threads at once), as with any launch.
+  // Checked again under the lock, just before the launch: a capture begun on this stream by another thread after
+  // this check is the caller's race (one stream used by two threads at once), as with any launch.
   if (capturing(stream) || !scratch_reserve(*e, plan.partial_floats, s.n, stream)) return 2;
   return dispatch_dtype(x, dtype, s, plan, w_dev, b_dev, w_host, b_host, e->partials,
                         Finish{out, e->counters, plan.blocks, inv_voxels}, stream);
