@@ -97,7 +97,7 @@ class _Library:
             raise KernelBuildError(f"{path}: its VoxLayout is {lib.voxserve_layout_size()} bytes, kernels/cuda.py's "
                                    f"mirror {ctypes.sizeof(Layout)}: rebuild the library")
         # Pointers only (and the variant): ctypes converts these several times faster than arrays and integers.
-        lib.voxserve_forward_layout.argtypes = [p, p, f, f, f, f, f, p, i]
+        lib.voxserve_forward_layout.argtypes = [p, p, f, f, f, f, f, f, p, i]
         lib.voxserve_forward_layout.restype = i
         lib.voxserve_plan.argtypes = [p, i, ctypes.POINTER(ll), ctypes.POINTER(ll), i, i, i, i, i,
                                       ctypes.POINTER(ctypes.c_int)]
@@ -236,7 +236,7 @@ class _Prepared:
     fixed integer arguments."""
 
     __slots__ = ("cout", "device", "dtype_code", "fallback", "floats", "index", "k", "layout", "layout_ptr", "n",
-                 "out_shape", "precision_code", "sizes", "specialised", "strides")
+                 "precision_code", "sizes", "specialised", "strides")
 
     def __init__(self, lib, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, precision: str) -> None:
         ops.check_arguments(x, weight, bias)
@@ -244,7 +244,6 @@ class _Prepared:
         _check_devices(x, weight, bias)
         self.n, cin = int(x.shape[0]), int(x.shape[1])
         self.cout, self.k = int(weight.shape[0]), int(weight.shape[2])
-        self.out_shape = (self.n, self.cout)
         self.device, self.index = x.device, x.get_device()
         self.dtype_code, self.precision_code = _DTYPE_CODES[x.dtype], _PRECISION_CODES[precision]
         self.specialised = bool(lib.voxserve_is_specialised(cin, self.cout, self.k))
@@ -306,15 +305,12 @@ def forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, variant: 
     if prep.specialised:
         w_host, b_host = _host_weights.get(weight, bias)
         w_host_ptr, b_host_ptr = w_host.data_ptr(), b_host.data_ptr()
+    args = (prep.layout_ptr, x.data_ptr(), weight.data_ptr(), bias.data_ptr(), w_host_ptr, b_host_ptr, out.data_ptr())
     stream = _raw_stream(prep.index)
-    rc = (lib.voxserve_forward_layout(prep.layout_ptr, x.data_ptr(), weight.data_ptr(), bias.data_ptr(), w_host_ptr,
-                                      b_host_ptr, out.data_ptr(), stream, variant)
-          if one_launch else _NEEDS_WORKSPACE)
+    rc = lib.voxserve_forward_layout(*args, None, stream, variant) if one_launch else _NEEDS_WORKSPACE
     if rc == _NEEDS_WORKSPACE:
         workspace = torch.empty(prep.floats, device=prep.device, dtype=_FLOAT32)  # freed stream-ordered: no wait
-        rc = lib.voxserve_forward(x.data_ptr(), prep.dtype_code, prep.sizes, prep.strides, prep.cout, prep.k,
-                                  weight.data_ptr(), bias.data_ptr(), w_host_ptr, b_host_ptr, out.data_ptr(),
-                                  workspace.data_ptr(), variant, prep.precision_code, prep.index, stream)
+        rc = lib.voxserve_forward_layout(*args, workspace.data_ptr(), stream, variant)
     if rc != 0:
         raise RuntimeError(f"voxserve::fused_forward: {lib.voxserve_last_error().decode()}")
     return out

@@ -78,7 +78,7 @@ def launch_parts(x, w, b):
     fused_cuda.forward(x, w, b)
     lib = fused_cuda.library().lib
     prep = fused_cuda._prepared[fused_cuda._layout_key(x, w, b, "fp32")]
-    out = torch.empty(prep.out_shape, device=prep.device)
+    out = torch.empty(prep.n, prep.cout, device=prep.device)
     workspace = torch.empty(prep.floats, device=prep.device)
     w_host, b_host = fused_cuda._host_weights.get(w, b)
     stream = fused_cuda._raw_stream(prep.index)
@@ -88,11 +88,11 @@ def launch_parts(x, w, b):
     two = (*head, workspace.data_ptr(), *tail)
     one = (*head, None, *tail)
     packed = (prep.layout_ptr, x.data_ptr(), w.data_ptr(), b.data_ptr(), w_host.data_ptr(), b_host.data_ptr(),
-              out.data_ptr(), stream, 0)
+              out.data_ptr(), None, stream, 0)
     return [
         ("layout key and lookup", lambda: fused_cuda._prepared.get(fused_cuda._layout_key(x, w, b, "fp32"))),
         ("torch.empty of the output", lambda: torch.empty(prep.n, prep.cout, device=prep.device, dtype=torch.float32)),
-        ("the same, its shape as a tuple", lambda: torch.empty(prep.out_shape, device=prep.device,
+        ("the same, its shape as a tuple", lambda: torch.empty((prep.n, prep.cout), device=prep.device,
                                                                dtype=torch.float32)),
         ("torch.empty of the workspace", lambda: torch.empty(prep.floats, device=prep.device, dtype=torch.float32)),
         ("weights' host copy lookup", lambda: fused_cuda._host_weights.get(w, b)),

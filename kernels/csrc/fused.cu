@@ -184,7 +184,9 @@ __device__ __forceinline__ void finish_sample(const Finish& f, const float* part
   if (!last) return;
   __threadfence();
   const float* p = partials + (long long)n * f.blocks * cout;
-  for (int c = tid; c < cout; c += nthreads) f.out[(long long)n * cout + c] = sample_mean(p + c, f.blocks, cout, f.inv_voxels);
+  for (int c = tid; c < cout; c += nthreads) {
+    f.out[(long long)n * cout + c] = sample_mean(p + c, f.blocks, cout, f.inv_voxels);
+  }
   if (tid == 0) f.counters[n] = 0;  // ready for the next launch on this stream
 }
 
@@ -1727,12 +1729,13 @@ struct VoxLayout {
 
 long long voxserve_layout_size() { return (long long)sizeof(VoxLayout); }
 
-// voxserve_forward(x, layout..., w_dev, b_dev, w_host, b_host, out, NULL, variant, ..., stream): the one-launch path
-// (its answer 2: call voxserve_forward with a workspace).
+// voxserve_forward(x, layout..., w_dev, b_dev, w_host, b_host, out, workspace, variant, ..., stream), the same answers
+// (workspace NULL: the one-launch path, or 2: call again with a workspace).
 int voxserve_forward_layout(const VoxLayout* l, const void* x, const float* w_dev, const float* b_dev,
-                            const float* w_host, const float* b_host, float* out, void* stream_handle, int variant) {
-  return voxserve_forward(x, l->dtype, l->sizes, l->strides, l->cout, l->k, w_dev, b_dev, w_host, b_host, out, nullptr,
-                          variant, l->precision, l->device, stream_handle);
+                            const float* w_host, const float* b_host, float* out, float* workspace, void* stream_handle,
+                            int variant) {
+  return voxserve_forward(x, l->dtype, l->sizes, l->strides, l->cout, l->k, w_dev, b_dev, w_host, b_host, out,
+                          workspace, variant, l->precision, l->device, stream_handle);
 }
 
 // Enqueue on `stream` a write of 1 to the eventfd `fd`: it becomes readable once everything enqueued before
