@@ -248,6 +248,18 @@ class CudaSharedMemoryRegistry:
             self._close(name, mapping)
         raise not_found(f"{what}: CUDA shared-memory region {shown(name)!r} is not registered")
 
+    def unmapped(self, name: str) -> bool:
+        """Whether region ``name`` is registered (through any replica) but not mapped in this process yet, so that
+        its first use here opens it (``map_here``, off the event loop). False for an unknown name."""
+        with self._locked():
+            region = self._sync(name)
+            return region is not None and region.mapping is None and not region.unusable
+
+    def map_here(self, name: str, what: str) -> None:
+        """Map region ``name`` in this process now, if it is not yet (a blocking call: off the event loop); errors
+        as ``lease``'s."""
+        self.lease(name, 0, 0, what).release()
+
     def opened(self, name: str) -> bool:
         """Whether region ``name`` is mapped in this process (else its first use here opens it: off the loop)."""
         with self._locked():

@@ -240,7 +240,7 @@ class Engine:
             buffer = buffer[used:]
 
     def _request(self, record: tuple, trailer: bytes, arena: np.ndarray, pending: dict[int, asyncio.Future],
-                 outbox: ipc.Outbox) -> None:
+                 outbox: ipc.Outbox, opened: bool = False) -> None:
         kind, dtype, _trailer_bytes, req_id, offset, nbytes, deadline, *shape = record
         if kind == ipc.CANCEL:
             future = pending.get(req_id)
@@ -254,7 +254,7 @@ class Engine:
             # Cancellable as a request is (the front end stopped waiting: a registration then leaves nothing
             # registered, as in one process); cancelled, possibly before it ran, it is answered here.
             pending[req_id] = task
-            task.add_done_callback(_ControlDone(outbox, pending, req_id, self.settings.model_name))
+            task.add_done_callback(_TaskDone(outbox, pending, req_id, self.settings.model_name))
             return
         model_name = self.settings.model_name
         lease = out_lease = None
@@ -276,6 +276,14 @@ class Engine:
             if region_kind == "cuda":  # in a client's CUDA region: read where it lies, held by its lease
                 if self.cuda_shm is None:
                     raise ServingError(Status.UNIMPLEMENTED, "this engine offers no CUDA shared memory")
+                names = (name,) if result is None else (name, result[0])
+                if not opened and any(self.cuda_shm.unmapped(n) for n in names):
+                    # Registered through another engine and not mapped here yet: the handle is opened (and
+                    # checked) off the event loop, then the request goes on as any other.
+                    opening = asyncio.create_task(self._map_then(names, record, trailer, arena, pending, outbox))
+                    pending[req_id] = opening
+                    opening.add_done_callback(_TaskDone(outbox, pending, req_id, model_name))
+                    return
                 tensor, lease = self.cuda_shm.read(name, offset, tuple(shape), WIRE_DTYPE[datatype],
                                                    "the request's input")
                 assert not isinstance(tensor, RegionTensor)  # this registry maps its regions: an address
@@ -300,6 +308,20 @@ class Engine:
             return
         pending[req_id] = future
         future.add_done_callback(_Reply(outbox, pending, req_id, model_name, lease, out_lease, store))
+
+    async def _map_then(self, names: tuple[str, ...], record: tuple, trailer: bytes, arena: np.ndarray,
+                        pending: dict[int, asyncio.Future], outbox: ipc.Outbox) -> None:
+        """Map CUDA regions ``names`` in this engine (a blocking open and check, on a thread), then take the request
+        (``_request``: its errors, a region that did not open among them, are answered there)."""
+        assert self.cuda_shm is not None
+        for name in names:
+            try:
+                await asyncio.to_thread(self.cuda_shm.map_here, name, "the request's input")
+            except ServingError:
+                break  # the request's own read says why, with the request's words
+            log.info("engine %d: CUDA shared-memory region %r mapped here too, at its first request here", self.index,
+                     name)
+        self._request(record, trailer, arena, pending, outbox, opened=True)
 
     async def _segment_request(self, name: str, offset: int, shape: tuple[int, ...], datatype: str,
                                deadline: float) -> BatchResult:
@@ -337,9 +359,10 @@ class Engine:
         outbox.put(ipc.REPLY.pack(ipc.OK, 0, 0, req_id, 0, 0))
 
 
-class _ControlDone:
-    """The done-callback of a CONTROL's task: out of ``pending``; a cancelled one's reply (``_control`` answers
-    the others)."""
+class _TaskDone:
+    """The done-callback of a request's task that answers for itself (a CONTROL's, or ``_map_then``'s, which hands
+    the request on to ``_request`` and its own entry in ``pending``): out of ``pending`` while the entry is still
+    the task's; answered here only when cancelled before it could answer (or failed unforeseen)."""
 
     __slots__ = ("model_name", "outbox", "pending", "req_id")
 
@@ -347,9 +370,12 @@ class _ControlDone:
         self.outbox, self.pending, self.req_id, self.model_name = outbox, pending, req_id, model_name
 
     def __call__(self, task: asyncio.Future) -> None:
-        self.pending.pop(self.req_id, None)
+        if self.pending.get(self.req_id) is task:
+            del self.pending[self.req_id]
         if task.cancelled():
             self.outbox.put(_error_reply(self.req_id, ServingError(Status.CANCELLED, "cancelled"), self.model_name))
+        elif (failed := task.exception()) is not None:
+            self.outbox.put(_error_reply(self.req_id, failed, self.model_name))
 
 
 class _Store:

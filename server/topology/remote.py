@@ -138,24 +138,33 @@ class RemoteRunner:
             raise self.lost_error()
         return live
 
-    def _least_busy(self) -> EngineLink:
-        return min(self._live(), key=lambda lk: len(lk.pending))
+    def _least_busy(self, links: Sequence[EngineLink] | None = None) -> EngineLink:
+        return min(links or self._live(), key=lambda lk: len(lk.pending))
+
+    def engines_on(self, device_id: int) -> list[EngineLink]:
+        """The live engines that execute on CUDA device ``device_id`` (any of them can map a region there)."""
+        place = f"cuda:{device_id}"
+        return [lk for lk in self._live() if place in lk.hello["device"].split(",")]
 
     def engine_for(self, device_id: int) -> EngineLink:
-        """The engine that executes on CUDA device ``device_id`` (it maps the regions there), else the first live
-        one: always the same, so that a region's registration, reads and writes go to one engine (another would
-        open the handle on its event loop)."""
-        live = self._live()
-        place = f"cuda:{device_id}"
-        return next((lk for lk in live if place in lk.hello["device"].split(",")), live[0])
+        """The engine that registers, unregisters and writes a region on CUDA device ``device_id``: the first that
+        executes there, else the first live one (always the same, so that a region on a device no engine runs on
+        is opened once, where it was registered)."""
+        on_device = self.engines_on(device_id)
+        return on_device[0] if on_device else self._live()[0]
 
     async def run(self, arr: np.ndarray | DeviceArray | RegionTensor, datatype: str,
                   timeout_s: float | None = None) -> BatchResult:
         """Infer one request's (N, Cin, D, H, W) wire-typed array in an engine: from the arena, or where it lies in
-        a client's region (a RegionTensor: a CUDA region's goes to the engine on its device, a system segment's to
-        the least busy engine, which reads it there)."""
+        a client's region (a RegionTensor: a CUDA region's goes to the least busy engine on its device, which maps
+        it there on its first use, or, where none executes on that device, to the one that registered it; a system
+        segment's to the least busy engine, which reads it there)."""
         if isinstance(arr, RegionTensor):
-            link = self.engine_for(arr.device_id) if arr.kind == "cuda" else self._least_busy()
+            if arr.kind == "cuda":
+                on_device = self.engines_on(arr.device_id)
+                link = self._least_busy(on_device) if on_device else self.engine_for(arr.device_id)
+            else:
+                link = self._least_busy()
             return await self._send(link, ipc.INFER_REGION, datatype, arr.offset, arr.nbytes, arr.shape, timeout_s,
                                     arr, ipc.region_trailer(arr.kind, arr.region, arr.result))
         if not isinstance(arr, np.ndarray):

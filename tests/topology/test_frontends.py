@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import dataclasses
 import gc
 import json
 import os
@@ -412,6 +413,79 @@ def test_a_region_on_a_device_no_engine_runs_on_is_served_by_the_engine_that_reg
             assert relative_error(torch.from_numpy(r.output.copy()), _ref(x)) <= 1e-5
             assert fake.opens == 1, fake.open_threads  # opened once, at registration, off the event loop
         finally:
+            await runner.close()
+            stop.set()
+            await asyncio.wait_for(asyncio.gather(*servings), 30)
+
+    asyncio.run(main())
+
+
+def test_cuda_regions_are_read_by_every_engine_on_their_device_each_opening_them_off_its_event_loop(tmp_path):
+    """With several engines on one GPU a region's requests go to the least busy of them, not only to the engine
+    that registered it: another engine maps the region at its first request there, on a thread (its event loop
+    serves on meanwhile); a request cancelled while its region opens is answered CANCELLED; an unregister closes
+    every engine's mapping."""
+    regions = tmp_path / "regions"
+    regions.mkdir()
+    fake = FakeDeviceMemory(1)
+    rng = np.random.default_rng()
+    x = rng.standard_normal((2, 3, 5, 6, 7), dtype=np.float32)
+    out_bytes = 2 * 16 * 4
+    opening = threading.Event()
+    unblock = threading.Event()
+    open_fast = fake.open
+
+    def open_slowly(*args, **kwargs):
+        if threading.current_thread() is not threading.main_thread():  # (a second engine's first open)
+            opening.set()
+            unblock.wait(10)
+        return open_fast(*args, **kwargs)
+
+    async def main():
+        engines, servings, stop = [], [], asyncio.Event()
+        for i in range(2):
+            engine = Engine(Settings(device="cpu"), str(tmp_path / f"e{i}.sock"), index=i, regions_dir=str(regions),
+                            device_memory=fake)
+            await asyncio.to_thread(engine.load)
+            engines.append(engine)
+            servings.append(asyncio.create_task(engine.serve(stop)))
+        runner = await asyncio.wait_for(RemoteRunner.connect(
+            [e.socket_path for e in engines], Arena(16 * MiB), "test", BatchingConfig(True, 0.0, 64)), 30)
+        try:
+            for link in runner.links:  # both engines execute on cuda:0, as two engines of one GPU do
+                link.hello["device"] = "cuda:0"
+            front = EngineCudaSharedMemory(runner, 8, None, str(regions))
+            handle = fake.export(x.tobytes() + bytes(out_bytes))
+            await front.register("r", handle, 0, x.nbytes + out_bytes)
+            owner = runner.engine_for(0)
+            other = next(lk for lk in runner.links if lk is not owner)
+            assert fake.opens == 1
+            read, _ = front.read("r", 0, x.shape, np.dtype(np.float32), "input 'input'")
+            tensor = dataclasses.replace(read, result=("r", x.nbytes))  # the output into the region too
+            loop = asyncio.get_running_loop()
+            busy = [loop.create_future() for _ in range(3)]  # the registering engine is the busier one
+            for n, future in enumerate(busy):
+                owner.pending[-1 - n] = (future, None)
+            fake.open = open_slowly
+            # Cancelled while the other engine opens the region: answered CANCELLED, nothing left behind.
+            first = asyncio.create_task(runner.run(tensor, "FP32"))
+            assert await asyncio.to_thread(opening.wait, 10)
+            assert len(other.pending) == 1
+            first.cancel()
+            await asyncio.wait_for(_until(lambda: not other.pending), 10)
+            unblock.set()
+            r = await runner.run(tensor, "FP32")
+            assert relative_error(torch.from_numpy(r.output.copy()), _ref(x)) <= 1e-5
+            written = np.frombuffer(fake.contents(handle)[x.nbytes:], np.float32).reshape(2, 16)
+            np.testing.assert_array_equal(written, r.output)
+            for n in range(len(busy)):
+                del owner.pending[-1 - n]
+            assert fake.opens == 2 and fake.mapped == 2  # one mapping in each engine
+            assert all(name != threading.main_thread().name for name in fake.open_threads[1:]), fake.open_threads
+            await front.unregister("r")
+            await asyncio.wait_for(_until(lambda: fake.mapped == 0), 10)
+        finally:
+            unblock.set()
             await runner.close()
             stop.set()
             await asyncio.wait_for(asyncio.gather(*servings), 30)
@@ -847,15 +921,18 @@ def _cuda_round_through(url: str, exporter, x: np.ndarray, datatype: str) -> Non
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_cuda_shared_memory_through_two_front_ends_on_a_gpu(tmp_path):
+@pytest.mark.parametrize("engines", [1, 2])
+def test_cuda_shared_memory_through_two_front_ends_on_a_gpu(tmp_path, engines):
     """A client process's device memory (a real CUDA IPC export) through --frontends 2: registered through one
     front end, used through every connection (the port spreads them over both front ends), the input read where it
-    lies by the engine and the output written into the client's memory; FP32 and FP16 within fp32 of float64;
-    requests batched; unregistered, and refused after."""
+    lies by an engine and the output written into the client's memory; FP32 and FP16 within fp32 of float64;
+    requests batched; unregistered, and refused after. With two engines on the GPU both serve the region, the one
+    that did not register it mapping it at its first request."""
     from ..cuda_exporter import Exporter
 
     x = np.random.default_rng().standard_normal((4, 3, 16, 32, 32), dtype=np.float32)
-    with serve_process(tmp_path / "server.log", "--frontends", "2") as srv, Exporter() as exporter:
+    with serve_process(tmp_path / "server.log", "--frontends", "2", "--replicas", str(engines)) as srv, \
+            Exporter() as exporter:
         _wait_for(lambda: _metric(srv.metrics_port, "voxserve_model_ready") == 1.0, 300, "every process ready")
         for datatype in ("FP32", "FP16"):
             _cuda_round_through(srv.url, exporter, x, datatype)
@@ -865,6 +942,7 @@ def test_cuda_shared_memory_through_two_front_ends_on_a_gpu(tmp_path):
         assert counted == 17 * (x.nbytes + x.nbytes // 2)  # 17 requests of each datatype, none on the wire
         srv.proc.send_signal(signal.SIGTERM)
         assert srv.proc.wait(timeout=90) == 0
+    assert ("mapped here too" in srv.log) == (engines == 2), srv.log
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
