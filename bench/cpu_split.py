@@ -109,13 +109,13 @@ def profile(pids: dict[int, str], url: str, bench_args: list[str], lead_s: float
             spy.wait(seconds + 60)
         result = level(client.communicate()[0])
         if not result["wall_start"] <= spy_start:
-            rows.append(f"|  | (profiles started before the load did: raise the lead of {lead_s} s) | | |")
+            rows.append(f"|  | (profiles started before the load did: raise the lead of {lead_s} s) | | | | |")
         for pid, label in pids.items():
             path = Path(f"{tmp}/{pid}.txt")
             if not path.exists():
                 continue
-            rows.append(f"|  | {label}: " + "; ".join(top_frames(path)) + " | | |")
-            rows.append(f"|  | {label}, whose time: " + "; ".join(split_by_owner(path)) + " | | |")
+            rows.append(f"|  | {label}: " + "; ".join(top_frames(path)) + " | | | | |")
+            rows.append(f"|  | {label}, whose time: " + "; ".join(split_by_owner(path)) + " | | | | |")
             if keep_dir:
                 tag = re.sub(r"[^A-Za-z0-9]+", "_", name).strip("_")
                 shutil.copy(path, Path(keep_dir) / f"{tag}.{label}.txt")
@@ -173,8 +173,13 @@ def measure(name: str, url: str, pids: dict[int, str], bench_args: list[str], ar
         sampler.join()
     seconds, host_s, server = sampler.window(result["wall_start"], result["wall_end"])
     n = result["requests_per_s"] * seconds  # requests answered within the sampled window (a steady rate)
-    rows = [f"| {name} | client and the rest of the host | {(host_s - sum(server.values())) / n * 1e6:.0f} | "
-            f"{(host_s - sum(server.values())) / seconds:.1f} |"]
+    gb = n * result["request_bytes"] / 1e9  # input tensor bytes those requests carried
+
+    def row(label: str, cpu_s: float, busy: str) -> str:
+        return f"| {name} | {label} | {cpu_s / n * 1e6:.0f} | {cpu_s / n * 1e3:.3f} | {cpu_s / gb:.2f} | {busy} |"
+
+    rest = host_s - sum(server.values())
+    rows = [row("client and the rest of the host", rest, f"{rest / seconds:.1f}")]
     by_role: dict[str, list[float]] = {}
     for pid, s in server.items():
         by_role.setdefault(pids[pid].rsplit("-", 1)[0], []).append(s)
@@ -183,9 +188,16 @@ def measure(name: str, url: str, pids: dict[int, str], bench_args: list[str], ar
         busy = f"{sum(secs) / seconds:.1f}"
         if len(secs) > 1:  # how evenly the kernel spread the connections: each process's cores busy
             busy += f" (each {min(secs) / seconds:.2f}-{max(secs) / seconds:.2f})"
-        rows.append(f"| {name} | {label} | {sum(secs) / n * 1e6:.0f} | {busy} |")
+        rows.append(row(label, sum(secs), busy))
+    # executions within the window, at the level's requests per execution (ModelStatistics around the level)
+    executions = n * result["server_executions"] / result["requests"] if result.get("server_executions") else 0
+    if executions:
+        engines = sum(s for pid, s in server.items() if pids[pid].startswith("engine"))
+        if engines:
+            rows.append(f"| {name} | engines' CPU per execution: {engines / executions * 1e6:.0f} us "
+                        f"({executions:.0f} executions in the window, {n / executions:.1f} requests each) | | | | |")
     rows.append(f"| {name} | **{result['requests_per_s']:.0f} req/s**, p50 {result['p50_ms']:.1f} ms, "
-                f"p99 {result['p99_ms']:.1f} ms; host {host_s / seconds:.1f} of {os.cpu_count()} cores busy | | |")
+                f"p99 {result['p99_ms']:.1f} ms; host {host_s / seconds:.1f} of {os.cpu_count()} cores busy | | | | |")
     if args.profile:
         rows += profile(pids, url, bench_args, args.profile_lead_s, 5.0, args.profile_dir, name)
     return rows
@@ -229,7 +241,9 @@ def main() -> int:
              f"{os.cpu_count()} CPU cores; {device}; client and server on this host over loopback",
              f"- command: `python bench/cpu_split.py {shlex.join(sys.argv[1:])}`",
              f"- client: `voxserve bench {args.bench}`", "",
-             "| server | process | CPU us per request | cores busy |", "|---|---|---:|---:|", *rows]
+             "| server | process | CPU us per request | CPU s per 1k requests | CPU s per GB ingested | cores busy |",
+             "|---|---|---:|---:|---:|---:|", *rows, "",
+             "GB ingested: the requests' input tensor bytes (on the wire or in shared memory), 1e9 bytes."]
     text = "\n".join(lines) + "\n"
     print(text)
     if args.out:

@@ -64,6 +64,7 @@ class LevelResult:
     latencies_ms: list[float] = field(default_factory=list, repr=False)
     server_queue_ms: float | None = None  # mean per request, from ModelStatistics
     server_compute_ms: float | None = None  # mean per execution
+    server_executions: int | None = None  # the model's executions (batches) over the level, from ModelStatistics
     wall_start: float = field(default=0.0, repr=False)  # time.time() of the first request sent
     wall_end: float = field(default=0.0, repr=False)
     # (status name, details) -> count, for every failed request, in the order first seen (summary(): the first)
@@ -345,6 +346,7 @@ def _server_split(result: LevelResult, before: pb.ModelStatistics | None, after:
     """The server's mean queue time per request and compute time per execution over the level."""
     if before is None or after is None:
         return
+    result.server_executions = after.execution_count - before.execution_count
     s0, s1 = before.inference_stats, after.inference_stats
     if s1.queue.count > s0.queue.count:
         result.server_queue_ms = (s1.queue.ns - s0.queue.ns) / (s1.queue.count - s0.queue.count) / 1e6
