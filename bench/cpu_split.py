@@ -135,7 +135,10 @@ def top_frames(path: Path, n: int = 12) -> list[str]:
 # Whose a sample is, by its frames (outermost first): the first rule that matches any frame decides.
 OWNERS = (
     ("metrics (prometheus_client)", re.compile(r"prometheus_client/")),
-    ("the engine link (records, replies, arena)", re.compile(r"\(server/topology/(remote|ipc|engine)\.py")),
+    # (engine.py's serve and run are on every stack of an engine: only its request and reply functions count here)
+    ("the engine link (records, replies, arena)",
+     re.compile(r"\(server/topology/(remote|ipc)\.py|^(_requests?|_connection|_segment_request|_map_then|_control|"
+                r"__call__) \(server/topology/engine\.py")),
     ("the model and the batcher", re.compile(r"\((server/core|kernels)/|torch/")),
     ("gRPC's read of the message (context.read)", re.compile(r"InferenceService\.ModelInfer \(server/protocol/"
                                                               r"inference\.py:128\)$")),
