@@ -377,6 +377,39 @@ def test_a_registration_cancelled_through_a_front_end_is_cancelled_in_the_engine
     asyncio.run(main())
 
 
+@contextlib.asynccontextmanager
+async def two_engines_and_runner(tmp_path, regions, fake):
+    """Two CPU engines sharing the regions' records and the fake device layer, and a front end's runner of both."""
+    engines, servings, stop = [], [], asyncio.Event()
+    for i in range(2):
+        engine = Engine(Settings(device="cpu"), str(tmp_path / f"e{i}.sock"), index=i, regions_dir=str(regions),
+                        device_memory=fake)
+        await asyncio.to_thread(engine.load)
+        engines.append(engine)
+        servings.append(asyncio.create_task(engine.serve(stop)))
+    runner = await asyncio.wait_for(RemoteRunner.connect(
+        [e.socket_path for e in engines], Arena(16 * MiB), "test", BatchingConfig(True, 0.0, 64)), 30)
+    try:
+        yield engines, runner
+    finally:
+        await runner.close()
+        stop.set()
+        await asyncio.wait_for(asyncio.gather(*servings), 30)
+
+
+@contextlib.contextmanager
+def busier(link, requests: int = 3):
+    """``link`` looks busier than an idle engine: ``requests`` pending entries that no reply will answer."""
+    loop = asyncio.get_running_loop()
+    for n in range(requests):
+        link.pending[-1 - n] = (loop.create_future(), None)
+    try:
+        yield
+    finally:
+        for n in range(requests):
+            del link.pending[-1 - n]
+
+
 def test_a_region_on_a_device_no_engine_runs_on_is_served_by_the_engine_that_registered_it(tmp_path):
     """A client's region on a device none of the engines executes on (the engines on other GPUs) goes to one
     engine for its registration, its reads and its writes: a read sent to another engine would open the handle
@@ -389,33 +422,15 @@ def test_a_region_on_a_device_no_engine_runs_on_is_served_by_the_engine_that_reg
     x = rng.standard_normal((1, 3, 5, 5, 5), dtype=np.float32)
 
     async def main():
-        engines, servings, stop = [], [], asyncio.Event()
-        for i in range(2):
-            engine = Engine(Settings(device="cpu"), str(tmp_path / f"e{i}.sock"), index=i, regions_dir=str(regions),
-                            device_memory=fake)
-            await asyncio.to_thread(engine.load)
-            engines.append(engine)
-            servings.append(asyncio.create_task(engine.serve(stop)))
-        runner = await asyncio.wait_for(RemoteRunner.connect(
-            [e.socket_path for e in engines], Arena(16 * MiB), "test", BatchingConfig(True, 0.0, 64)), 30)
-        try:
+        async with two_engines_and_runner(tmp_path, regions, fake) as (engines, runner):
             front = EngineCudaSharedMemory(runner, 8, None, str(regions))
             await front.register("r", fake.export(x.tobytes()), 0, x.nbytes)
             tensor, _ = front.read("r", 0, x.shape, np.dtype(np.float32), "input 'input'")
-            loop = asyncio.get_running_loop()
-            busy = [loop.create_future() for _ in range(3)]  # the registering engine is the busier one now
             owner = next(lk for lk in runner.links if lk.hello["engine"] == engines[0].index)
-            for n, future in enumerate(busy):
-                owner.pending[-1 - n] = (future, None)
-            r = await runner.run(tensor, "FP32")
-            for n in range(len(busy)):
-                del owner.pending[-1 - n]
+            with busier(owner):  # the registering engine is the busier one now
+                r = await runner.run(tensor, "FP32")
             assert relative_error(torch.from_numpy(r.output.copy()), _ref(x)) <= 1e-5
             assert fake.opens == 1, fake.open_threads  # opened once, at registration, off the event loop
-        finally:
-            await runner.close()
-            stop.set()
-            await asyncio.wait_for(asyncio.gather(*servings), 30)
 
     asyncio.run(main())
 
@@ -442,53 +457,37 @@ def test_cuda_regions_are_read_by_every_engine_on_their_device_each_opening_them
         return open_fast(*args, **kwargs)
 
     async def main():
-        engines, servings, stop = [], [], asyncio.Event()
-        for i in range(2):
-            engine = Engine(Settings(device="cpu"), str(tmp_path / f"e{i}.sock"), index=i, regions_dir=str(regions),
-                            device_memory=fake)
-            await asyncio.to_thread(engine.load)
-            engines.append(engine)
-            servings.append(asyncio.create_task(engine.serve(stop)))
-        runner = await asyncio.wait_for(RemoteRunner.connect(
-            [e.socket_path for e in engines], Arena(16 * MiB), "test", BatchingConfig(True, 0.0, 64)), 30)
-        try:
-            for link in runner.links:  # both engines execute on cuda:0, as two engines of one GPU do
-                link.hello["device"] = "cuda:0"
-            front = EngineCudaSharedMemory(runner, 8, None, str(regions))
-            handle = fake.export(x.tobytes() + bytes(out_bytes))
-            await front.register("r", handle, 0, x.nbytes + out_bytes)
-            owner = runner.engine_for(0)
-            other = next(lk for lk in runner.links if lk is not owner)
-            assert fake.opens == 1
-            read, _ = front.read("r", 0, x.shape, np.dtype(np.float32), "input 'input'")
-            tensor = dataclasses.replace(read, result=("r", x.nbytes))  # the output into the region too
-            loop = asyncio.get_running_loop()
-            busy = [loop.create_future() for _ in range(3)]  # the registering engine is the busier one
-            for n, future in enumerate(busy):
-                owner.pending[-1 - n] = (future, None)
-            fake.open = open_slowly
-            # Cancelled while the other engine opens the region: answered CANCELLED, nothing left behind.
-            first = asyncio.create_task(runner.run(tensor, "FP32"))
-            assert await asyncio.to_thread(opening.wait, 10)
-            assert len(other.pending) == 1
-            first.cancel()
-            await asyncio.wait_for(_until(lambda: not other.pending), 10)
-            unblock.set()
-            r = await runner.run(tensor, "FP32")
-            assert relative_error(torch.from_numpy(r.output.copy()), _ref(x)) <= 1e-5
-            written = np.frombuffer(fake.contents(handle)[x.nbytes:], np.float32).reshape(2, 16)
-            np.testing.assert_array_equal(written, r.output)
-            for n in range(len(busy)):
-                del owner.pending[-1 - n]
-            assert fake.opens == 2 and fake.mapped == 2  # one mapping in each engine
-            assert all(name != threading.main_thread().name for name in fake.open_threads[1:]), fake.open_threads
-            await front.unregister("r")
-            await asyncio.wait_for(_until(lambda: fake.mapped == 0), 10)
-        finally:
-            unblock.set()
-            await runner.close()
-            stop.set()
-            await asyncio.wait_for(asyncio.gather(*servings), 30)
+        async with two_engines_and_runner(tmp_path, regions, fake) as (_engines, runner):
+            try:
+                for link in runner.links:  # both engines execute on cuda:0, as two engines of one GPU do
+                    link.hello["device"] = "cuda:0"
+                front = EngineCudaSharedMemory(runner, 8, None, str(regions))
+                handle = fake.export(x.tobytes() + bytes(out_bytes))
+                await front.register("r", handle, 0, x.nbytes + out_bytes)
+                owner = runner.engine_for(0)
+                other = next(lk for lk in runner.links if lk is not owner)
+                assert fake.opens == 1
+                read, _ = front.read("r", 0, x.shape, np.dtype(np.float32), "input 'input'")
+                tensor = dataclasses.replace(read, result=("r", x.nbytes))  # the output into the region too
+                fake.open = open_slowly
+                with busier(owner):  # the registering engine is the busier one
+                    # Cancelled while the other engine opens the region: answered CANCELLED, nothing left behind.
+                    first = asyncio.create_task(runner.run(tensor, "FP32"))
+                    assert await asyncio.to_thread(opening.wait, 10)
+                    assert len(other.pending) == 1
+                    first.cancel()
+                    await asyncio.wait_for(_until(lambda: not other.pending), 10)
+                    unblock.set()
+                    r = await runner.run(tensor, "FP32")
+                assert relative_error(torch.from_numpy(r.output.copy()), _ref(x)) <= 1e-5
+                written = np.frombuffer(fake.contents(handle)[x.nbytes:], np.float32).reshape(2, 16)
+                np.testing.assert_array_equal(written, r.output)
+                assert fake.opens == 2 and fake.mapped == 2  # one mapping in each engine
+                assert all(name != threading.main_thread().name for name in fake.open_threads[1:]), fake.open_threads
+                await front.unregister("r")
+                await asyncio.wait_for(_until(lambda: fake.mapped == 0), 10)
+            finally:
+                unblock.set()
 
     asyncio.run(main())
 
