@@ -26,7 +26,6 @@ short keeps what it measured).
 from __future__ import annotations
 
 import argparse
-import asyncio
 import contextlib
 import datetime
 import json
@@ -50,8 +49,7 @@ from voxserve.client import Client, build_request
 from voxserve.client.bench import (
     LevelResult,
     raw_sink,
-    run_level,
-    run_level_processes,
+    run_level_over,
     setup_cuda_shared_memory,
     setup_shared_memory,
 )
@@ -109,9 +107,7 @@ def level(url: str, payload: bytes, samples: int, tensor_bytes: int, concurrency
     print(f"  {target}: {samples} samples x c={concurrency}", file=sys.stderr, flush=True)
     common = dict(duration_s=duration_s, requests=None, model=model, target=target, timeout_s=300.0,
                   connections=connections)
-    if min(processes, concurrency) > 1:
-        return run_level_processes(url, payload, samples, tensor_bytes, concurrency, processes=processes, **common)
-    return asyncio.run(run_level(url, payload, samples, tensor_bytes, concurrency, **common))
+    return run_level_over(url, payload, samples, tensor_bytes, concurrency, processes=processes, **common)
 
 
 def rest_level(host_port: str, x: np.ndarray, binary: bool, concurrency: int, target: str, duration_s: float,
@@ -122,12 +118,9 @@ def rest_level(host_port: str, x: np.ndarray, binary: bool, concurrency: int, ta
     print(f"  {target} (REST {kind}): {len(x)} samples x c={concurrency}", file=sys.stderr, flush=True)
     common = dict(duration_s=duration_s, requests=None, model=model, target=f"{target}, REST {kind}",
                   timeout_s=300.0)
-    if min(processes, concurrency) > 1:
-        return run_level_processes(host_port, body, len(x), x.nbytes, concurrency, processes=processes,
-                                   statistics=False, driver=run_rest_level,
-                                   driver_options={"json_length": json_length}, **common)
-    return asyncio.run(run_rest_level(host_port, body, len(x), x.nbytes, concurrency, json_length=json_length,
-                                      **common))
+    # (no ModelStatistics: the host and port are REST's)
+    return run_level_over(host_port, body, len(x), x.nbytes, concurrency, processes=processes, statistics=False,
+                          driver=run_rest_level, driver_options={"json_length": json_length}, **common)
 
 
 def rest_rows(args, out: dict[str, list[LevelResult]], host_port: str, full: np.ndarray, target: str,

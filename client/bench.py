@@ -24,8 +24,9 @@ import queue
 import socket
 import sys
 import time
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable, Coroutine, Iterator
 from dataclasses import asdict, dataclass, field
+from typing import Any
 
 import grpc
 import numpy as np
@@ -337,6 +338,19 @@ def run_level_processes(url: str, payload: bytes, samples: int, tensor_bytes: in
     return merged
 
 
+def run_level_over(url: str, payload: bytes, samples: int, tensor_bytes: int, concurrency: int, *,
+                   processes: int = 1, driver: Callable[..., Coroutine[Any, Any, LevelResult]] | None = None,
+                   driver_options: dict | None = None, **options) -> LevelResult:
+    """One level: ``run_level`` (or ``driver``, as for run_level_processes) in this process, or spread over
+    ``processes`` load processes where more than one would have workers (run_level_processes). ``options``:
+    run_level's keyword arguments."""
+    if min(processes, concurrency) > 1:
+        return run_level_processes(url, payload, samples, tensor_bytes, concurrency, processes=processes,
+                                   driver=driver, driver_options=driver_options, **options)
+    return asyncio.run((driver or run_level)(url, payload, samples, tensor_bytes, concurrency,
+                                             **(driver_options or {}), **options))
+
+
 async def _stats_once(url: str, model: str, credentials: Credentials) -> pb.ModelStatistics | None:
     async with credentials.channel(url, _channel_options(DEFAULT_MAX_MESSAGE_BYTES), aio=True) as channel:
         return await _stats(channel, model, credentials.metadata())
@@ -595,11 +609,8 @@ def main(args) -> int:
                               timeout_s=args.timeout_s, progress=not args.json, credentials=target_creds,
                               connections=args.connections, streaming=args.streaming,
                               statistics=target != "raw sink")
-                if args.processes > 1:
-                    results.append(run_level_processes(url, payload, args.batch, tensor_bytes, c,
-                                                       processes=args.processes, **common))
-                else:
-                    results.append(asyncio.run(run_level(url, payload, args.batch, tensor_bytes, c, **common)))
+                results.append(run_level_over(url, payload, args.batch, tensor_bytes, c, processes=args.processes,
+                                              **common))
     if args.json:
         print(json.dumps({"shape": list(shape), "dtype": args.dtype, "request_bytes": len(payload),
                           "tensor_bytes": tensor_bytes, "shared_memory": bool(args.shared_memory),

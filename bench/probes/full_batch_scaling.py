@@ -13,7 +13,6 @@ reports its p50, and c=1 is timed with one process (the latency of one call).
 from __future__ import annotations
 
 import argparse
-import asyncio
 import datetime
 import os
 import platform
@@ -25,7 +24,7 @@ import numpy as np
 from sink_compare import SINK, cpp_sink  # bench/probes/ (this script's folder)
 
 from voxserve.client import build_request
-from voxserve.client.bench import LevelResult, raw_sink, run_level, run_level_processes
+from voxserve.client.bench import LevelResult, raw_sink, run_level_over
 from voxserve.testing.load import ServerProcess
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -36,9 +35,7 @@ def level(url: str, payload: bytes, nbytes: int, concurrency: int, processes: in
     print(f"  {target}: c={concurrency}, {processes} client processes", file=sys.stderr, flush=True)
     common = dict(duration_s=duration, requests=None, model=model, target=target, timeout_s=300.0,
                   connections=max(4, concurrency // 4))
-    if min(processes, concurrency) > 1:
-        return run_level_processes(url, payload, 128, nbytes, concurrency, processes=processes, **common)
-    return asyncio.run(run_level(url, payload, 128, nbytes, concurrency, **common))
+    return run_level_over(url, payload, 128, nbytes, concurrency, processes=processes, **common)
 
 
 def main() -> int:

@@ -13,7 +13,6 @@ the Python sink's row; the C++ row is what a front end outside Python starts fro
 from __future__ import annotations
 
 import argparse
-import asyncio
 import contextlib
 import datetime
 import os
@@ -26,7 +25,7 @@ from pathlib import Path
 import numpy as np
 
 from voxserve.client import build_request
-from voxserve.client.bench import raw_sink, run_level, run_level_processes
+from voxserve.client.bench import raw_sink, run_level_over
 
 ROOT = Path(__file__).resolve().parents[2]
 SINK = ROOT / "build" / "cpp_sink" / "sink"
@@ -45,10 +44,7 @@ def measure(url: str, pid: int, payload: bytes, samples: int, nbytes: int, concu
     before = cpu_seconds(pid)
     common = dict(duration_s=duration, requests=None, model="sink", target="sink", timeout_s=120.0,
                   connections=connections)
-    if processes > 1:
-        result = run_level_processes(url, payload, samples, nbytes, concurrency, processes=processes, **common)
-    else:
-        result = asyncio.run(run_level(url, payload, samples, nbytes, concurrency, **common))
+    result = run_level_over(url, payload, samples, nbytes, concurrency, processes=processes, **common)
     used = cpu_seconds(pid) - before
     answered = max(1, len(result.latencies_ms))
     return result.rps, result.percentile(50), used / answered * 1e6
