@@ -21,6 +21,7 @@
 // on stdout. SIGTERM/SIGINT: stop taking calls (Shutdown with the grace period), answer those in flight, send the
 // last report, exit 0. SIGUSR1: one line of counters on stderr (what is in flight, what the arena holds).
 // Exit 2: a mistake on the command line or in a file it names; exit 1: an engine or the port could not be had.
+#include <absl/synchronization/mutex.h>
 #include <fcntl.h>
 #include <grpcpp/grpcpp.h>
 #include <signal.h>
@@ -68,6 +69,10 @@ int main(int argc, char** argv) {
   const pid_t parent = getppid();
   prctl(PR_SET_PDEATHSIG, SIGTERM);
   if (getppid() != parent) raise(SIGTERM);  // it died before the request took effect
+  // gRPC's locks are Abseil's; an Abseil built without NDEBUG (Debian's) tracks every lock's acquisition order in
+  // one global graph under one global lock, to report potential deadlocks: a debugging aid, 3-4 % of this
+  // process's samples under load (bench/results/native-frontend-locks-cpu-2core.md). Off here.
+  absl::SetMutexDeadlockDetectionMode(absl::OnDeadlockCycle::kIgnore);
   auto fe = std::make_unique<voxserve::Frontend>();
   try {
     fe->options = voxserve::ParseOptions(argc, argv);
