@@ -492,6 +492,49 @@ def test_cuda_regions_are_read_by_every_engine_on_their_device_each_opening_them
     asyncio.run(main())
 
 
+def test_a_region_that_no_longer_opens_in_a_second_engine_is_refused_there_and_both_engines_serve_on(tmp_path):
+    """The client frees its allocation after the registration (its handle no longer opens): the engine that did not
+    register the region cannot map it, and answers its requests INVALID_ARGUMENT at once from then on (no second
+    open); the engine that mapped it at registration still reads it; other regions are served by both."""
+    regions = tmp_path / "regions"
+    regions.mkdir()
+    fake = FakeDeviceMemory(1)
+    x = np.random.default_rng().standard_normal((1, 3, 5, 5, 5), dtype=np.float32)
+    f32 = np.dtype(np.float32)
+
+    async def main():
+        async with two_engines_and_runner(tmp_path, regions, fake) as (_engines, runner):
+            for link in runner.links:  # two engines of one GPU
+                link.hello["device"] = "cuda:0"
+            front = EngineCudaSharedMemory(runner, 8, None, str(regions))
+            freed = fake.export(x.tobytes())
+            await front.register("freed", freed, 0, x.nbytes)
+            await front.register("live", fake.export(x.tobytes()), 0, x.nbytes)
+            fake.free(freed)
+            owner = runner.engine_for(0)
+            other = next(lk for lk in runner.links if lk is not owner)
+            tensor, _ = front.read("freed", 0, x.shape, f32, "input 'input'")
+            with busier(owner):
+                for _ in range(2):
+                    with pytest.raises(ServingError) as err:
+                        await runner.run(tensor, "FP32")
+                    assert err.value.code == Status.INVALID_ARGUMENT, err.value
+                    assert "does not open in this server process any more" in err.value.message
+                opens = fake.opens
+                live, _ = front.read("live", 0, x.shape, f32, "input 'input'")
+                r = await runner.run(live, "FP32")  # the other engine maps the live region and serves it
+                assert relative_error(torch.from_numpy(r.output.copy()), _ref(x)) <= 1e-5
+                assert fake.opens == opens + 1
+            # two registrations, one open of 'freed' in the other engine (failed, not tried again), one of 'live';
+            # none on the event loop's thread
+            assert len(fake.open_threads) == 4 and threading.main_thread().name not in fake.open_threads
+            with busier(other):  # the registering engine still reads the freed allocation it mapped
+                r = await runner.run(tensor, "FP32")
+            assert relative_error(torch.from_numpy(r.output.copy()), _ref(x)) <= 1e-5
+
+    asyncio.run(main())
+
+
 def test_cuda_regions_through_a_front_end_are_mapped_read_and_written_by_the_engine(tmp_path):
     """CUDA shared memory with --frontends (the fake device layer standing in for the GPU): a registration goes to
     the engine, which opens the handle and checks it; the front end knows the region by its shared record; the
