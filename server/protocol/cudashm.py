@@ -99,6 +99,15 @@ def check_aligned(offset: int, dtype: np.dtype, what: str) -> None:
                       f"bytes, the size of one element")
 
 
+class NotMappedHere(Exception):
+    """A region registered through another replica and not mapped in this process yet, from a ``lease`` that was
+    not to open it (``open_here=False``: on an event loop, which must not wait for an open)."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(name)
+        self.name = name
+
+
 class CudaSharedMemoryRegistry:
     """The registered CUDA regions of this process (with ``shared_dir``: of every replica; see the module's text).
 
@@ -196,13 +205,7 @@ class CudaSharedMemoryRegistry:
     async def _open(self, name: str, handle: bytes, device_id: int, nbytes: int) -> Mapping:
         """The handle opened off the event loop; a registration cancelled meanwhile closes what the open returns."""
         loop = asyncio.get_running_loop()
-        # A thread of the registry's own: opens wait on the handle's check, one at a time (ipccheck.py), and a
-        # burst of them must not take the default executor's threads from the other work of the loop.
-        with self._lock:
-            if self._opener is None:
-                self._opener = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="cuda-shm-open")
-            opener = self._opener
-        opening = loop.run_in_executor(opener, self.devices.open, handle, device_id, nbytes)
+        opening = loop.run_in_executor(self._opening_thread(), self.devices.open, handle, device_id, nbytes)
         try:
             return await asyncio.shield(opening)
         except DeviceMemoryError as exc:
@@ -217,6 +220,14 @@ class CudaSharedMemoryRegistry:
             opening.add_done_callback(close_late)
             raise
 
+    def _opening_thread(self) -> concurrent.futures.ThreadPoolExecutor:
+        """A thread of the registry's own for opening handles: opens wait on the handle's check, one at a time
+        (ipccheck.py), and a burst of them must not take the default executor's threads from the loop's other work."""
+        with self._lock:
+            if self._opener is None:
+                self._opener = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="cuda-shm-open")
+            return self._opener
+
     def holds(self, name: str) -> bool:
         """Whether ``name`` is a CUDA region (registered or being registered): the system registry's check."""
         with self._locked():
@@ -224,16 +235,18 @@ class CudaSharedMemoryRegistry:
 
     # --- use --------------------------------------------------------------------------------------
 
-    def lease(self, name: str, offset: int, byte_size: int, what: str) -> Lease:
+    def lease(self, name: str, offset: int, byte_size: int, what: str, open_here: bool = True) -> Lease:
         """``byte_size`` bytes at ``offset`` of region ``name``, mapped until the lease is released. NOT_FOUND for
         an unknown name; INVALID_ARGUMENT unless the bytes lie inside the region (exact integers: no overflow);
         in a replica that did not register the region, its handle is opened here first (a blocking CUDA call:
-        call this off the event loop)."""
+        call this off the event loop), or, with ``open_here`` false, NotMappedHere is raised instead."""
         with self._locked():
             region = self._slice(name, offset, byte_size, what)
             if region.mapping is not None:
                 region.in_use += 1
                 return Lease(self, region, offset, byte_size)
+            if not open_here and not region.unusable:
+                raise NotMappedHere(name)
         # Not mapped in this process yet: opened outside the registry's lock (other regions' requests go on), by one
         # caller per region.
         with region.opening:
@@ -248,17 +261,11 @@ class CudaSharedMemoryRegistry:
             self._close(name, mapping)
         raise not_found(f"{what}: CUDA shared-memory region {shown(name)!r} is not registered")
 
-    def unmapped(self, name: str) -> bool:
-        """Whether region ``name`` is registered (through any replica) but not mapped in this process yet, so that
-        its first use here opens it (``map_here``, off the event loop). False for an unknown name."""
-        with self._locked():
-            region = self._sync(name)
-            return region is not None and region.mapping is None and not region.unusable
-
-    def map_here(self, name: str, what: str) -> None:
-        """Map region ``name`` in this process now, if it is not yet (a blocking call: off the event loop); errors
-        as ``lease``'s."""
-        self.lease(name, 0, 0, what).release()
+    async def map_here(self, name: str, what: str) -> None:
+        """Map region ``name`` in this process now, if it is not yet, on the registry's opening thread (a burst of
+        first uses waits there, not in the loop's executor); errors as ``lease``'s."""
+        await asyncio.get_running_loop().run_in_executor(self._opening_thread(),
+                                                          lambda: self.lease(name, 0, 0, what).release())
 
     def opened(self, name: str) -> bool:
         """Whether region ``name`` is mapped in this process (else its first use here opens it: off the loop)."""
@@ -276,26 +283,26 @@ class CudaSharedMemoryRegistry:
                           f"region {name!r} ({region.byte_size} bytes)")
         return region
 
-    def read(self, name: str, offset: int, shape: tuple[int, ...], dtype: np.dtype,
-             what: str) -> tuple[np.ndarray | DeviceArray | RegionTensor, Lease | None]:
+    def read(self, name: str, offset: int, shape: tuple[int, ...], dtype: np.dtype, what: str,
+             open_here: bool = True) -> tuple[np.ndarray | DeviceArray | RegionTensor, Lease | None]:
         """The tensor of ``shape`` and ``dtype`` at ``offset`` of region ``name``, where it lies (no copy): a
         DeviceArray, or a numpy view for host memory; and its lease. The tensor holds the lease: the mapping stays
         open while the tensor, or an execution reading it, is alive, or until the lease is released (once
         nothing reads the tensor any more). Errors as ``lease``'s."""
         nbytes = math.prod(shape) * dtype.itemsize  # exact: Python integers
         check_aligned(offset, dtype, what)
-        lease = self.lease(name, offset, nbytes, what)
+        lease = self.lease(name, offset, nbytes, what, open_here)
         if lease.host:
             return host_view(lease.address, shape, dtype, lease), lease
         return DeviceArray(lease.address, shape, dtype, lease.device, lease), lease
 
     def attach_result(self, array: DeviceArray | np.ndarray, name: str, offset: int, cout: int,
-                      what: str) -> Lease | None:
+                      what: str, open_here: bool = True) -> Lease | None:
         """Make the (N, ``cout``) FP32 span at ``offset`` of region ``name`` the ``result`` of the input ``array`` (its
         execution writes the output there, on the device) and return the span's lease, where both lie in device
         memory on one device; None otherwise, nothing held (the output is then written after the execution, from
         the host). The span is checked either way; errors as ``read``'s (a span not on a whole float among them)."""
-        target, lease = self.read(name, offset, (array.shape[0], cout), np.dtype("<f4"), what)
+        target, lease = self.read(name, offset, (array.shape[0], cout), np.dtype("<f4"), what, open_here)
         if isinstance(array, DeviceArray) and isinstance(target, DeviceArray) and target.device == array.device:
             array.result = target
             return lease

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import logging
 import math
 import mmap
@@ -40,7 +41,7 @@ from ..core.inprocess import build_models, load_weights
 from ..core.runner import Runner
 from ..core.stats import ModelStats
 from ..metrics import Metrics, latency_buckets
-from ..protocol.cudashm import CudaSharedMemoryRegistry, Lease
+from ..protocol.cudashm import CudaSharedMemoryRegistry, Lease, NotMappedHere
 from ..protocol.shm import SharedMemoryRegistry
 from ..settings import Settings
 from . import ipc
@@ -49,6 +50,8 @@ log = logging.getLogger("voxserve.engine")
 
 # How long after the front ends' grace period the engine waits for them to hang up before it exits anyway.
 DRAIN_MARGIN_S = 5.0
+# How many times one request maps a CUDA region here before it is refused (the region is registered anew each time).
+MAP_ROUNDS = 3
 
 
 class Engine:
@@ -69,6 +72,7 @@ class Engine:
         self._pinned: list[np.ndarray] = []  # page-locked arenas
         self.regions_dir = regions_dir  # the supervisor's shared registry of regions (system and CUDA)
         self.cuda_shm: CudaSharedMemoryRegistry | None = None  # the clients' CUDA regions, mapped here
+        self._mapping: dict[str, asyncio.Future] = {}  # CUDA regions being mapped here for a first request
         self._device_memory = device_memory  # their device layer instead of the CUDA devices' (tests give a fake)
         self._page_locker = page_locker  # the system segments' instead of CUDA's (tests give a fake)
         # The clients' system shared-memory segments, read here in place (a GPU engine) for the front ends.
@@ -240,7 +244,8 @@ class Engine:
             buffer = buffer[used:]
 
     def _request(self, record: tuple, trailer: bytes, arena: np.ndarray, pending: dict[int, asyncio.Future],
-                 outbox: ipc.Outbox, opened: bool = False) -> None:
+                 outbox: ipc.Outbox, mapped: int = 0) -> None:
+        """Take one record (``mapped``: times its CUDA regions were mapped here for it, by ``_map_then``)."""
         kind, dtype, _trailer_bytes, req_id, offset, nbytes, deadline, *shape = record
         if kind == ipc.CANCEL:
             future = pending.get(req_id)
@@ -276,22 +281,31 @@ class Engine:
             if region_kind == "cuda":  # in a client's CUDA region: read where it lies, held by its lease
                 if self.cuda_shm is None:
                     raise ServingError(Status.UNIMPLEMENTED, "this engine offers no CUDA shared memory")
-                names = (name,) if result is None else (name, result[0])
-                if not opened and any(self.cuda_shm.unmapped(n) for n in names):
-                    # Registered through another engine and not mapped here yet: the handle is opened (and
-                    # checked) off the event loop, then the request goes on as any other.
-                    opening = asyncio.create_task(self._map_then(names, record, trailer, arena, pending, outbox))
+                try:  # never opening a handle here, on the loop
+                    tensor, lease = self.cuda_shm.read(name, offset, tuple(shape), WIRE_DTYPE[datatype],
+                                                       "the request's input", open_here=False)
+                    assert not isinstance(tensor, RegionTensor)  # this registry maps its regions: an address
+                    if result is not None:  # its output goes into a CUDA region: written on the device, or stored
+                        out_lease = self.cuda_shm.attach_result(tensor, *result, int(self.hello["cout"]),
+                                                                "the request's output", open_here=False)
+                        if out_lease is None:  # (host memory: a fake device layer's)
+                            store = _Store(self.cuda_shm, *result)
+                except NotMappedHere as missing:
+                    # Registered through another engine and not mapped here yet: mapped (and checked) on the
+                    # registry's thread, then the request is taken again. (A region that is registered anew each
+                    # time it has been mapped is refused after a few rounds.)
+                    if lease is not None:
+                        lease.release()
+                    lease = None
+                    if mapped >= MAP_ROUNDS:
+                        raise ServingError(Status.UNAVAILABLE, f"CUDA shared-memory region {missing.name!r} was "
+                                                               f"registered again while this server mapped it; "
+                                                               f"retry") from None
+                    opening = asyncio.create_task(self._map_then(missing.name, record, trailer, arena, pending,
+                                                                 outbox, mapped + 1))
                     pending[req_id] = opening
                     opening.add_done_callback(_TaskDone(outbox, pending, req_id, model_name))
                     return
-                tensor, lease = self.cuda_shm.read(name, offset, tuple(shape), WIRE_DTYPE[datatype],
-                                                   "the request's input")
-                assert not isinstance(tensor, RegionTensor)  # this registry maps its regions: an address
-                if result is not None:  # its output goes into a CUDA region: written on the device, or stored here
-                    out_lease = self.cuda_shm.attach_result(tensor, *result, int(self.hello["cout"]),
-                                                            "the request's output")
-                    if out_lease is None:  # (host memory: a fake device layer's)
-                        store = _Store(self.cuda_shm, *result)
                 array = tensor
             elif kind == ipc.INFER and offset + nbytes <= len(arena):
                 array = arena[offset : offset + nbytes].view(WIRE_DTYPE[datatype]).reshape(shape)
@@ -309,19 +323,25 @@ class Engine:
         pending[req_id] = future
         future.add_done_callback(_Reply(outbox, pending, req_id, model_name, lease, out_lease, store))
 
-    async def _map_then(self, names: tuple[str, ...], record: tuple, trailer: bytes, arena: np.ndarray,
-                        pending: dict[int, asyncio.Future], outbox: ipc.Outbox) -> None:
-        """Map CUDA regions ``names`` in this engine (a blocking open and check, on a thread), then take the request
-        (``_request``: its errors, a region that did not open among them, are answered there)."""
+    async def _map_then(self, name: str, record: tuple, trailer: bytes, arena: np.ndarray,
+                        pending: dict[int, asyncio.Future], outbox: ipc.Outbox, mapped: int) -> None:
+        """Map CUDA region ``name`` in this engine (one mapping for every request that waits for it), then take the
+        request again (``_request``: a region that did not open is refused there, in the request's words)."""
+        mapping = self._mapping.get(name)
+        if mapping is None:
+            mapping = asyncio.ensure_future(self._map_region(name))
+            self._mapping[name] = mapping
+            mapping.add_done_callback(lambda done: self._mapping.pop(name) if self._mapping.get(name) is done
+                                      else None)
+        with contextlib.suppress(Exception):  # (the request's own read says why)
+            await asyncio.shield(mapping)  # a request cancelled meanwhile leaves the mapping to the others
+        self._request(record, trailer, arena, pending, outbox, mapped)
+
+    async def _map_region(self, name: str) -> None:
         assert self.cuda_shm is not None
-        for name in names:
-            try:
-                await asyncio.to_thread(self.cuda_shm.map_here, name, "the request's input")
-            except ServingError:
-                break  # the request's own read says why, with the request's words
-            log.info("engine %d: CUDA shared-memory region %r mapped here too, at its first request here", self.index,
-                     name)
-        self._request(record, trailer, arena, pending, outbox, opened=True)
+        await self.cuda_shm.map_here(name, "the request's input")
+        log.info("engine %d: CUDA shared-memory region %r mapped here too, at its first request here", self.index,
+                 name)
 
     async def _segment_request(self, name: str, offset: int, shape: tuple[int, ...], datatype: str,
                                deadline: float) -> BatchResult:

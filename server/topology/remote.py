@@ -139,7 +139,11 @@ class RemoteRunner:
         return live
 
     def _least_busy(self, links: Sequence[EngineLink] | None = None) -> EngineLink:
-        return min(links or self._live(), key=lambda lk: len(lk.pending))
+        """The live engine (of ``links``, when given) with the fewest requests outstanding."""
+        candidates = self._live() if links is None else links
+        if not candidates:
+            raise self.lost_error()
+        return min(candidates, key=lambda lk: len(lk.pending))
 
     def engines_on(self, device_id: int) -> list[EngineLink]:
         """The live engines that execute on CUDA device ``device_id`` (any of them can map a region there)."""
@@ -342,8 +346,8 @@ class EngineCudaSharedMemory(CudaSharedMemoryRegistry):
     def opened(self, name: str) -> bool:
         return True  # nothing is opened here: a read never blocks
 
-    def read(self, name: str, offset: int, shape: tuple[int, ...], dtype: np.dtype,
-             what: str) -> tuple[RegionTensor, None]:
+    def read(self, name: str, offset: int, shape: tuple[int, ...], dtype: np.dtype, what: str,
+             open_here: bool = True) -> tuple[RegionTensor, None]:
         """The tensor by region and offset, once it lies inside the region (the engine checks again when it reads
         it: the region may change meanwhile); no lease here (the engine's read holds one)."""
         check_aligned(offset, dtype, what)

@@ -13,6 +13,7 @@ import re
 import signal
 import threading
 import time
+import types
 import urllib.request
 import uuid
 
@@ -531,6 +532,155 @@ def test_a_region_that_no_longer_opens_in_a_second_engine_is_refused_there_and_b
             with busier(other):  # the registering engine still reads the freed allocation it mapped
                 r = await runner.run(tensor, "FP32")
             assert relative_error(torch.from_numpy(r.output.copy()), _ref(x)) <= 1e-5
+
+    asyncio.run(main())
+
+
+def _one_gpu(runner) -> None:
+    for link in runner.links:  # both engines execute on cuda:0, as two engines of one GPU do
+        link.hello["device"] = "cuda:0"
+
+
+class _HeldOpens:
+    """The fake layer's opens, held on their thread (not the event loop's) from ``arm()`` until ``release()``."""
+
+    def __init__(self, fake: FakeDeviceMemory) -> None:
+        self.fast, self.armed, self.opening, self.go = fake.open, False, threading.Event(), threading.Event()
+        fake.open = self
+
+    def __call__(self, *args, **kwargs):
+        if self.armed and threading.current_thread() is not threading.main_thread():
+            self.opening.set()
+            self.go.wait(10)
+        return self.fast(*args, **kwargs)
+
+
+@contextlib.asynccontextmanager
+async def _region_on_one_gpu(tmp_path, fake: FakeDeviceMemory, x: np.ndarray):
+    """Two engines of one GPU, a front end's runner and CUDA registry, and region "r" holding ``x``, registered
+    through the first engine (``owner``); ``tensor`` is the request's input there."""
+    regions = tmp_path / "regions"
+    regions.mkdir()
+    async with two_engines_and_runner(tmp_path, regions, fake) as (engines, runner):
+        _one_gpu(runner)
+        front = EngineCudaSharedMemory(runner, 8, None, str(regions))
+        await front.register("r", fake.export(x.tobytes()), 0, x.nbytes)
+        tensor, _ = front.read("r", 0, x.shape, np.dtype(np.float32), "input 'input'")
+        yield types.SimpleNamespace(engines=engines, runner=runner, front=front, owner=runner.engine_for(0),
+                                    tensor=tensor)
+
+
+def test_first_requests_in_a_second_engine_share_one_mapping_and_leave_the_loops_executor_free(tmp_path):
+    """A burst of first requests for a region in the engine that did not register it: one open, on the registry's
+    own thread, while the engine's default executor stays free for its other work; every request answered."""
+    fake = FakeDeviceMemory(1)
+    x = np.random.default_rng().standard_normal((1, 3, 5, 5, 5), dtype=np.float32)
+
+    async def main():
+        async with _region_on_one_gpu(tmp_path, fake, x) as setup:
+            runner, owner, tensor = setup.runner, setup.owner, setup.tensor
+            held = _HeldOpens(fake)
+            held.armed = True
+            try:
+                with busier(owner, 100):
+                    requests = [asyncio.create_task(runner.run(tensor, "FP32")) for _ in range(16)]
+                    assert await asyncio.to_thread(held.opening.wait, 10)
+                    await asyncio.sleep(0.1)
+                    # (both engines share this test's loop: its executor is theirs)
+                    await asyncio.wait_for(asyncio.to_thread(lambda: None), 2)
+                    held.go.set()
+                    results = await asyncio.wait_for(asyncio.gather(*requests), 30)
+            finally:
+                held.go.set()
+            for r in results:
+                assert relative_error(torch.from_numpy(r.output.copy()), _ref(x)) <= 1e-5
+            assert fake.opens == 2 and fake.open_threads[-1].startswith("cuda-shm-open"), fake.open_threads
+
+    asyncio.run(main())
+
+
+def test_a_request_handed_on_after_the_mapping_is_still_cancellable(tmp_path):
+    """Once its region is mapped, a request waits in the engine's queue under its own entry: a cancel then reaches
+    it there (the mapping task's end must not remove that entry)."""
+    fake = FakeDeviceMemory(1)
+    x = np.random.default_rng().standard_normal((1, 3, 5, 5, 5), dtype=np.float32)
+
+    async def main():
+        async with _region_on_one_gpu(tmp_path, fake, x) as setup:
+            runner, owner, tensor, engines = setup.runner, setup.owner, setup.tensor, setup.engines
+            other = next(lk for lk in runner.links if lk is not owner)
+            engine = next(e for e in engines if e.index == other.hello["engine"])
+            queued: list[asyncio.Future] = []
+            loop = asyncio.get_running_loop()
+            engine.runner.enqueue = lambda *args, **kwargs: queued.append(loop.create_future()) or queued[-1]
+            with busier(owner):
+                request = asyncio.create_task(runner.run(tensor, "FP32"))
+                await asyncio.wait_for(_until(lambda: queued), 10)  # mapped, then queued
+                request.cancel()
+                await asyncio.wait_for(_until(lambda: queued[0].cancelled() and not other.pending), 10)
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("change", ["unregistered", "registered again"])
+def test_a_region_changed_while_a_second_engine_maps_it_is_never_opened_on_its_event_loop(tmp_path, change):
+    """The client unregisters the region (and maybe registers the name again, another allocation) while the engine
+    that did not register it maps it for a request: the request is answered (NOT_FOUND, or served from the new
+    region), no handle is ever opened on the event loop, and nothing stays mapped for the old region."""
+    fake = FakeDeviceMemory(1)
+    x = np.random.default_rng().standard_normal((1, 3, 5, 5, 5), dtype=np.float32)
+
+    async def main():
+        async with _region_on_one_gpu(tmp_path, fake, x) as setup:
+            runner, front, owner, tensor = setup.runner, setup.front, setup.owner, setup.tensor
+            held = _HeldOpens(fake)
+            try:
+                with busier(owner, 3):
+                    held.armed = True
+                    request = asyncio.create_task(runner.run(tensor, "FP32"))
+                    assert await asyncio.to_thread(held.opening.wait, 10)
+                    held.armed = False
+                    await front.unregister("r")
+                    if change == "registered again":
+                        await front.register("r", fake.export(x.tobytes()), 0, x.nbytes)
+                    held.go.set()
+                    if change == "unregistered":
+                        with pytest.raises(ServingError) as err:
+                            await asyncio.wait_for(request, 10)
+                        assert err.value.code == Status.NOT_FOUND, err.value
+                    else:
+                        r = await asyncio.wait_for(request, 10)
+                        assert relative_error(torch.from_numpy(r.output.copy()), _ref(x)) <= 1e-5
+            finally:
+                held.go.set()
+            assert threading.main_thread().name not in fake.open_threads, fake.open_threads
+            if change == "unregistered":
+                await asyncio.wait_for(_until(lambda: fake.mapped == 0), 10)
+
+    asyncio.run(main())
+
+
+def test_a_region_goes_only_to_the_engines_on_its_device(tmp_path):
+    """Engines on two GPUs: a region on the second goes to the engine there even when it is the busier one (the other
+    engine would map it on a device it does not execute on)."""
+    regions = tmp_path / "regions"
+    regions.mkdir()
+    fake = FakeDeviceMemory(2)
+    x = np.random.default_rng().standard_normal((1, 3, 5, 5, 5), dtype=np.float32)
+
+    async def main():
+        async with two_engines_and_runner(tmp_path, regions, fake) as (_engines, runner):
+            for n, link in enumerate(runner.links):
+                link.hello["device"] = f"cuda:{n}"
+            front = EngineCudaSharedMemory(runner, 8, None, str(regions))
+            await front.register("r", fake.export(x.tobytes(), device=1), 1, x.nbytes)
+            on_1 = runner.engine_for(1)
+            assert on_1.hello["device"] == "cuda:1"
+            tensor, _ = front.read("r", 0, x.shape, np.dtype(np.float32), "input 'input'")
+            with busier(on_1):
+                r = await runner.run(tensor, "FP32")
+            assert relative_error(torch.from_numpy(r.output.copy()), _ref(x)) <= 1e-5
+            assert fake.opens == 1  # only where it was registered
 
     asyncio.run(main())
 
