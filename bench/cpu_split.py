@@ -35,6 +35,8 @@ import time
 from collections import Counter
 from pathlib import Path
 
+import provenance  # bench/ (this script's folder)
+
 from voxserve.client.bench import raw_sink
 from voxserve.testing.load import ServerProcess, cpu_seconds
 
@@ -219,6 +221,8 @@ def main() -> int:
     parser.add_argument("--profile-lead-s", type=float, default=6.0,
                         help="seconds from launching the profiled load run to the profiles' start")
     parser.add_argument("--profile-dir", default=None, help="keep the raw py-spy profiles here")
+    parser.add_argument("--commit", default=None, help="the commit measured, for the report (default: "
+                        "$VOXSERVE_COMMIT, else git's HEAD here)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     bench_args = shlex.split(args.bench)
@@ -243,6 +247,7 @@ def main() -> int:
              f"- date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC; {socket.gethostname()}; "
              f"{os.cpu_count()} CPU cores; {device}; client and server on this host over loopback",
              f"- command: `python bench/cpu_split.py {shlex.join(sys.argv[1:])}`",
+             f"- commit: {provenance.commit(args.commit)}",
              f"- client: `voxserve bench {args.bench}`", "",
              "| server | process | CPU us per request | CPU s per 1k requests | CPU s per GB ingested | cores busy |",
              "|---|---|---:|---:|---:|---:|", *rows, "",

@@ -42,7 +42,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
-from rest_load import rest_body, run_rest_level  # bench/ (this script's folder)
+import provenance  # bench/ (this script's folder), as rest_load and triton_peer
+from rest_load import rest_body, run_rest_level
 from triton_peer.server import TritonUnavailable, triton_server
 
 from voxserve.client import Client, build_request
@@ -311,6 +312,7 @@ def render(args, out: dict[str, list[LevelResult]], device: str, seconds: float,
              f"- date: {now}; {os.cpu_count()} CPU cores, Python {platform.python_version()}; client and servers on "
              "the same host over loopback, one server at a time",
              f"- command: `{shlex.join(['python', 'bench/service_bench.py', *sys.argv[1:]])}` ({seconds:.0f} s)",
+             f"- commit: {provenance.commit(args.commit)}",
              f"- requests: ({args.batch}, {', '.join(map(str, SAMPLE))}) for the full batch, (1, "
              f"{', '.join(map(str, SAMPLE))}) for batch 1; {args.duration:.0f} s per level",
              *(f"- {note}" for note in notes), ""]
@@ -421,6 +423,8 @@ def main() -> int:
                         "parts: bench/triton_peer/server.py pack), a folder holding pytriton, or none: the "
                         "installed pytriton")
     parser.add_argument("--triton-instances", type=int, default=2, help="Triton model instances per model")
+    parser.add_argument("--commit", default=None, help="the commit measured, for the report (default: "
+                        "$VOXSERVE_COMMIT, else git's HEAD here)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     # SIGTERM (a time limit) unwinds like Ctrl-C: every server started so far is stopped on the way out.

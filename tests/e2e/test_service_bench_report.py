@@ -34,7 +34,7 @@ def _targets(text: str) -> dict[str, tuple[str, str]]:
 
 
 def test_the_report_says_which_targets_the_rows_meet(service_bench):
-    args = argparse.Namespace(batch=128, duration=3.0, frontends=0, native_frontends=0, engines=1)
+    args = argparse.Namespace(batch=128, duration=3.0, frontends=0, native_frontends=0, engines=1, commit="abc1234")
     out = {key: [] for key in ("full", "fp16", "shm", "cuda_shm", "batch1", "cuda_shm_batch1", "rest_full",
                                "rest_batch1")}
     out["full"] += [_row("raw sink", 100, 128, 1), _row("voxserve", 95, 128, 1), _row("Triton", 50, 128, 1)]
@@ -43,6 +43,7 @@ def test_the_report_says_which_targets_the_rows_meet(service_bench):
     out["batch1"] += [_row("voxserve", 10000, 1, 64), _row("Triton", 6000, 1, 64)]
     out["cuda_shm_batch1"] += [_row("voxserve", 25000, 1, 64), _row("Triton", 30000, 1, 64)]
     text = service_bench.render(args, out, "test GPU", 10.0, [])
+    assert "- commit: abc1234\n" in text  # as given (a device's copy of the tree has older git metadata)
     assert "## Full batch in CUDA shared memory (the client's GPU memory)" in text
     cuda_table = text.split("## Full batch in CUDA shared memory", 1)[1].split("##", 1)[0]
     assert "| Triton | 4 | 300.0 |" in cuda_table and "| voxserve | 4 | 5200.0 |" in cuda_table
@@ -62,7 +63,7 @@ def test_the_report_says_which_targets_the_rows_meet(service_bench):
 def test_the_shared_memory_targets_take_the_front_ends_rows_too(service_bench):
     """With --frontends, the best of the one-process and the front-end rows meets a shared-memory goal, and the batch-1
     ratio of CUDA shared memory to the wire is stated for each topology."""
-    args = argparse.Namespace(batch=128, duration=3.0, frontends=12, native_frontends=12, engines=1)
+    args = argparse.Namespace(batch=128, duration=3.0, frontends=12, native_frontends=12, engines=1, commit=None)
     fe = "voxserve --frontends 12"
     out = {key: [] for key in ("full", "fp16", "shm", "cuda_shm", "batch1", "cuda_shm_batch1", "rest_full",
                                "rest_batch1")}
