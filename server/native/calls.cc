@@ -218,6 +218,7 @@ class InferCall final : public grpc::ServerUnaryReactor, public EngineRequest {
   SplitMessage split_;                    // a large request's slices: its tensor's pieces point into them
   bool decoded_ = false;
   bool typed_ = false;
+  std::unique_ptr<std::string> output_region_;  // the CUDA region the engine writes the output into, if any
   inference::ModelInferResponse response_;
   bool holds_slot_ = false;
 
@@ -309,7 +310,7 @@ void InferCall::Start() {
     parsed = request_.ParseFromZeroCopyStream(&reader) && reader.status().ok();
   }
   Decoded d;
-  if (!parsed || !Eligible(request_, fe_->spec, &d, split ? &split_.raw_bytes : nullptr)) {
+  if (!parsed || !Eligible(request_, fe_->spec, &d, split ? &split_.raw_bytes : nullptr, fe_->regions.get())) {
     request_.Clear();
     ReleaseSlot();
     StartForward();
@@ -321,6 +322,13 @@ void InferCall::Start() {
   std::memcpy(shape, d.shape, sizeof(shape));
   data = d.data;
   nbytes = d.nbytes;
+  if (d.in_region) {
+    in_region = true;
+    region_offset = d.region_offset;
+    region_device = d.region_device;
+    trailer = RegionTrailer(d);
+    if (d.output_in_region) output_region_ = std::make_unique<std::string>(std::move(d.output_region));
+  }
   if (split) {
     pieces = std::move(split_.pieces);
     fe_->wire_tensors.fetch_add(1, std::memory_order_relaxed);
@@ -403,7 +411,7 @@ void InferCall::OnReply(const ReplyRecord& header, const char* payload) {
     return;
   }
   EncodeResponse(fe_->options.model_name, fe_->options.model_version, request_.id(), payload, n, cout, typed_,
-                 &response_);
+                 &response_, output_region_.get());
   bool own = false;
   const grpc::Status serialized =
       grpc::SerializationTraits<inference::ModelInferResponse>::Serialize(response_, response_bb_, &own);
@@ -425,6 +433,7 @@ void InferCall::FinishFast(const grpc::Status& status, uint64_t queue_ns) {
   record.queue_ns = static_cast<int64_t>(queue_ns);
   record.samples = decoded_ ? static_cast<int64_t>(shape[0]) : 0;
   record.input_bytes = decoded_ ? static_cast<int64_t>(nbytes) : 0;
+  record.path = in_region ? kPathCudaShm : kPathWire;
   fe_->reporter->Add(record);
   ReleaseSlot();
   Finish(status);

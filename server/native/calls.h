@@ -24,6 +24,7 @@
 #include "engines.h"
 #include "fast_path.h"
 #include "options.h"
+#include "regions.h"
 #include "report.h"
 #include "security.h"
 
@@ -63,6 +64,7 @@ struct Frontend {
   Engines* engines = nullptr;
   Partner* partner = nullptr;
   Reporter* reporter = nullptr;
+  std::unique_ptr<Regions> regions;      // the CUDA regions' records; null: the fast path takes no CUDA shm
   std::unique_ptr<TokenDigests> tokens;  // null: no token check
   std::atomic<int64_t> fast_calls{0};    // fast-path calls in progress (the --max-concurrent-rpcs bound)
   std::atomic<int64_t> forwarded_calls{0};

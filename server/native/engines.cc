@@ -31,6 +31,17 @@ void ReadExactly(int fd, char* data, size_t size) {
 
 // remote.connect_engine: connect (waiting while the engine warms up: its socket is absent or refuses), send the
 // JSON hello with the arena's descriptor (SCM_RIGHTS), read the engine's hello.
+// The engine's devices, one by one (a hello's "device" lists them with commas, as remote.RemoteRunner.devices).
+void SplitDevices(const std::string& devices, std::vector<std::string>* out) {
+  size_t begin = 0;
+  for (;;) {
+    const size_t comma = devices.find(',', begin);
+    out->push_back(devices.substr(begin, comma - begin));
+    if (comma == std::string::npos) return;
+    begin = comma + 1;
+  }
+}
+
 int ConnectEngine(const std::string& path, const std::string& name, const Arena& arena, EngineHello* hello) {
   sockaddr_un addr{};
   addr.sun_family = AF_UNIX;
@@ -88,19 +99,11 @@ int ConnectEngine(const std::string& path, const std::string& name, const Arena&
   hello->k = std::stoll(field("k"));
   hello->device = field("device");
   hello->kernel = field("kernel");
+  SplitDevices(hello->device, &hello->devices);
+  const auto cuda = fields.find("cuda_devices");
+  hello->cuda_devices = cuda == fields.end() ? 0 : std::stoll(cuda->second);
   if (hello->cin < 1 || hello->cout < 1 || hello->k < 1) throw std::runtime_error("the engine's hello: " + json);
   return fd;
-}
-
-// The engine's devices, one by one (a hello's "device" lists them with commas, as remote.RemoteRunner.devices).
-void SplitDevices(const std::string& devices, std::vector<std::string>* out) {
-  size_t begin = 0;
-  for (;;) {
-    const size_t comma = devices.find(',', begin);
-    out->push_back(devices.substr(begin, comma - begin));
-    if (comma == std::string::npos) return;
-    begin = comma + 1;
-  }
 }
 
 }  // namespace
@@ -143,10 +146,9 @@ grpc::Status Engines::QueueFull(size_t queued) const {
 
 grpc::Status Engines::LostErrorLocked() const {
   // remote.RemoteRunner.lost_error
-  std::vector<std::string> devices;
-  for (const auto& link : links_) SplitDevices(link->hello.device, &devices);
   std::string joined;
-  for (const std::string& d : devices) joined += (joined.empty() ? "" : ", ") + d;
+  for (const auto& link : links_)
+    for (const std::string& d : link->hello.devices) joined += (joined.empty() ? "" : ", ") + d;
   return grpc::Status(grpc::StatusCode::UNAVAILABLE, "the engine(s) on " + joined + " stopped (" + device_lost_ +
                                                          "); this replica must be restarted, retry on another");
 }
@@ -167,6 +169,12 @@ grpc::Status Engines::Submit(EngineRequest* r) {
     r->state_ = EngineRequest::State::kEnded;
     return QueueFull(queued);
   }
+  if (r->in_region) {  // no block to wait for
+    PlaceRegionLocked(r);
+    l.unlock();
+    if (Transmit(r)) return CancelledStatus();  // (as below)
+    return grpc::Status::OK;
+  }
   if (waiting_.empty() && PlaceLocked(r)) {
     l.unlock();
     // Outside the lock. The request cannot be deleted meanwhile: its call is inside a gRPC reaction (OnReadDone)
@@ -179,17 +187,34 @@ grpc::Status Engines::Submit(EngineRequest* r) {
   return grpc::Status::OK;
 }
 
-bool Engines::PlaceLocked(EngineRequest* r) {
+bool Engines::offers_cuda() const {
+  for (const auto& link : links_)
+    if (link->hello.cuda_devices <= 0) return false;
+  return true;
+}
+
+Engines::Link* Engines::LeastBusyLocked(int64_t cuda_device, size_t* index) {
+  // The live engine (executing on "cuda:<cuda_device>", when that is >= 0) with the fewest outstanding, first on
+  // ties.
+  const std::string place = cuda_device >= 0 ? "cuda:" + std::to_string(cuda_device) : std::string();
   Link* best = nullptr;
-  size_t index = 0;
-  for (size_t i = 0; i < links_.size(); ++i) {  // the live engine with the fewest outstanding (first on ties)
+  for (size_t i = 0; i < links_.size(); ++i) {
     Link* link = links_[i].get();
     if (!link->lost.empty()) continue;
+    if (!place.empty() && std::find(link->hello.devices.begin(), link->hello.devices.end(), place) ==
+                              link->hello.devices.end())
+      continue;
     if (best == nullptr || link->pending.size() < best->pending.size()) {
       best = link;
-      index = i;
+      *index = i;
     }
   }
+  return best;
+}
+
+bool Engines::PlaceLocked(EngineRequest* r) {
+  size_t index = 0;
+  Link* best = LeastBusyLocked(-1, &index);
   if (best == nullptr) return false;
   uint64_t position = 0;
   if (!arena_.TryAllocate(r->nbytes, &position)) return false;
@@ -197,9 +222,28 @@ bool Engines::PlaceLocked(EngineRequest* r) {
   r->link_ = index;
   r->position_ = position;
   r->state_ = EngineRequest::State::kSending;
-  best->pending.emplace(r->id_, Pending{r, position});
+  best->pending.emplace(r->id_, Pending{r, position, true});
   ++outstanding_;
   return true;
+}
+
+void Engines::PlaceRegionLocked(EngineRequest* r) {
+  // remote.RemoteRunner.run: the least busy engine on the region's device; where none executes there, the first
+  // live one (engine_for: the engine that registered the region, and maps it).
+  size_t index = 0;
+  Link* best = LeastBusyLocked(r->region_device, &index);
+  for (size_t i = 0; best == nullptr && i < links_.size(); ++i) {  // (Submit saw one live: live_ > 0)
+    if (links_[i]->lost.empty()) {
+      best = links_[i].get();
+      index = i;
+    }
+  }
+  r->id_ = next_id_++;
+  r->link_ = index;
+  r->position_ = 0;
+  r->state_ = EngineRequest::State::kSending;
+  best->pending.emplace(r->id_, Pending{r, 0, false});
+  ++outstanding_;
 }
 
 void Engines::PlaceWaitingLocked(std::vector<EngineRequest*>* placed) {
@@ -220,7 +264,9 @@ void Engines::TransmitPlaced(const std::vector<EngineRequest*>& placed) {
 bool Engines::Transmit(EngineRequest* r) {
   // The one copy into the arena (remote.RemoteRunner._one). The block is this request's until the engine's reply,
   // and the engine reads it only once the record, sent after the copy, has come.
-  if (r->data != nullptr) {
+  if (r->in_region) {
+    // Nothing to copy: the engine reads the tensor where it lies.
+  } else if (r->data != nullptr) {
     std::memcpy(arena_.At(r->position_), r->data, r->nbytes);
   } else {
     uint8_t* to = arena_.At(r->position_);  // the pieces one after another
@@ -230,18 +276,20 @@ bool Engines::Transmit(EngineRequest* r) {
     }
   }
   RequestRecord record{};
-  record.kind = kInfer;
+  record.kind = r->in_region ? kInferRegion : kInfer;
   record.datatype = r->datatype;
+  record.trailer_bytes = static_cast<uint32_t>(r->in_region ? r->trailer.size() : 0);
   record.id = r->id_;
-  record.offset = arena_.Offset(r->position_);
+  record.offset = r->in_region ? r->region_offset : arena_.Offset(r->position_);
   record.nbytes = r->nbytes;
   record.deadline = r->deadline;
   std::memcpy(record.shape, r->shape, sizeof(record.shape));
   Link& link = *links_[r->link_];
-  Send(link, reinterpret_cast<const char*>(&record), sizeof(record));
+  Send(link, reinterpret_cast<const char*>(&record), sizeof(record), r->in_region ? r->trailer : std::string());
 
   std::unique_lock<std::mutex> l(mu_);
   ++infer_records_;
+  if (r->in_region) ++region_records_;
   if (r->release_after_send_) {  // its engine went away during the copy: nothing reads the block any more
     r->release_after_send_ = false;
     arena_.Release(r->position_);
@@ -300,9 +348,10 @@ bool Engines::Cancel(EngineRequest* r) {
   return true;
 }
 
-void Engines::Send(Link& link, const char* data, size_t size) {
+void Engines::Send(Link& link, const char* data, size_t size, const std::string& trailer) {
   std::unique_lock<std::mutex> l(link.write_mu);
   link.outbox.append(data, size);
+  link.outbox += trailer;  // (with its record, in one append under the lock: never split by another sender's)
   if (link.writing) return;  // the thread writing now sends these too
   link.writing = true;
   while (!link.outbox.empty()) {
@@ -374,7 +423,7 @@ void Engines::Deliver(Link& link, const ReplyRecord& header, const char* payload
     auto it = link.pending.find(header.id);
     if (it == link.pending.end()) return;  // (no reply is for an unknown id; nothing to do if one were)
     r = it->second.request;
-    arena_.Release(it->second.position);
+    if (it->second.block) arena_.Release(it->second.position);
     link.pending.erase(it);
     --outstanding_;
     if (r != nullptr) r->state_ = EngineRequest::State::kEnded;
@@ -393,10 +442,13 @@ void Engines::Lost(Link& link, const std::string& reason) {
     --live_;
     for (auto& [id, p] : link.pending) {
       // A block whose tensor is still being copied is released by its sender when the copy is over.
-      if (p.request != nullptr && p.request->state_ == EngineRequest::State::kSending)
+      if (!p.block) {
+        // (a region's request: nothing to release)
+      } else if (p.request != nullptr && p.request->state_ == EngineRequest::State::kSending) {
         p.request->release_after_send_ = true;
-      else
+      } else {
         arena_.Release(p.position);
+      }
       if (p.request != nullptr) {
         p.request->state_ = EngineRequest::State::kEnded;
         failed.push_back(p.request);
@@ -429,7 +481,8 @@ void Engines::Lost(Link& link, const std::string& reason) {
 
 std::string Engines::Counters() {
   std::lock_guard<std::mutex> l(mu_);
-  return "infer records " + std::to_string(infer_records_) + ", cancel records " + std::to_string(cancel_records_) +
+  return "infer records " + std::to_string(infer_records_) + ", of which by region " +
+         std::to_string(region_records_) + ", cancel records " + std::to_string(cancel_records_) +
          ", replies " + std::to_string(replies_) + ", pending " + std::to_string(outstanding_) + ", waiting " +
          std::to_string(waiting_.size()) + ", arena blocks held " + std::to_string(arena_.blocks()) +
          ", arena bytes held " + std::to_string(arena_.in_use()) + ", engines connected " + std::to_string(live_);

@@ -4,7 +4,9 @@
 //
 // A request's life here: Submit puts it on the engine with the fewest requests outstanding from this front end
 // (RemoteRunner._least_busy) as soon as the arena has a block for it, else it waits, in arrival order, for a
-// reply to free one. Its tensor is copied into the block and then the INFER record is sent, so the engine reads
+// reply to free one. A tensor in a client's CUDA region takes no block: it goes at once, as an INFER_REGION record
+// naming the region, to the least busy engine on the region's device (or, where none runs there, the first one,
+// which registered it: RemoteRunner.run). Its tensor is copied into the block and then the INFER record is sent, so the engine reads
 // the block only once it holds the whole tensor. The block is released only at the engine's reply to that record
 // (or when the engine's connection is gone): a request that ends early (the client cancels, its deadline passes)
 // sends a CANCEL record and gives up its request object, but its block stays reserved until the engine answers,
@@ -36,6 +38,8 @@ namespace voxserve {
 struct EngineHello {
   int64_t cin = 0, cout = 0, k = 0;
   std::string device, kernel;
+  std::vector<std::string> devices;  // ``device``'s, one by one ("cuda:0", ...)
+  int64_t cuda_devices = 0;          // the CUDA devices it can open clients' memory on (0: no CUDA shared memory)
 };
 
 // A request as Engines sees it (the fast path's call implements it). The tensor fields are set before Submit
@@ -51,6 +55,12 @@ class EngineRequest {
   std::vector<std::pair<const char*, size_t>> pieces;
   size_t nbytes = 0;
   double deadline = 0;  // CLOCK_MONOTONIC seconds, NaN: none
+  // In a client's CUDA region instead (data null, no pieces): its offset there, its device, and the record's
+  // trailer (ipc.region_trailer: the region's name, and the output's region when the engine writes it).
+  bool in_region = false;
+  uint64_t region_offset = 0;
+  int64_t region_device = 0;
+  std::string trailer;
 
   // A request ends for Engines exactly once: refused by Submit (its status), ended by a Cancel that returned
   // true, or through one of these two, called without Engines' lock held.
@@ -87,6 +97,8 @@ class Engines {
   void Start();
 
   const EngineHello& hello() const { return hello_; }
+  // Whether every engine offers CUDA shared memory (remote.RemoteRunner.cuda_devices > 0).
+  bool offers_cuda() const;
   size_t largest_block() const { return arena_.largest(); }
 
   // Take a request: sent now or waiting for room (OK), or refused (queue full, engines lost, cancelled meanwhile):
@@ -96,13 +108,15 @@ class Engines {
   // the call; false: it is ending another way (answered, failed, or Submit / the sender will see the cancellation).
   bool Cancel(EngineRequest* request);
 
-  // "infer records ..., pending ..., arena bytes held ..." for the log (SIGUSR1 and the last line).
+  // "infer records ..., of which by region ..., pending ..., arena bytes held ..." for the log (SIGUSR1 and the
+  // last line).
   std::string Counters();
 
  private:
   struct Pending {
     EngineRequest* request;  // nullptr once cancelled: the entry only keeps the block until the reply
     uint64_t position;
+    bool block;  // false: a region's request, which holds no arena block
   };
   struct Link {
     std::string path;
@@ -120,10 +134,12 @@ class Engines {
   };
 
   bool PlaceLocked(EngineRequest* r);
+  void PlaceRegionLocked(EngineRequest* r);
+  Link* LeastBusyLocked(int64_t cuda_device, size_t* index);
   void PlaceWaitingLocked(std::vector<EngineRequest*>* placed);
   bool Transmit(EngineRequest* r);
   void TransmitPlaced(const std::vector<EngineRequest*>& placed);
-  void Send(Link& link, const char* data, size_t size);
+  void Send(Link& link, const char* data, size_t size, const std::string& trailer = std::string());
   void ReadReplies(Link& link);
   void Deliver(Link& link, const ReplyRecord& header, const char* payload);
   void Lost(Link& link, const std::string& reason);
@@ -141,7 +157,7 @@ class Engines {
   size_t live_ = 0;         // links still connected
   std::deque<EngineRequest*> waiting_;  // for arena room, in arrival order
   std::string device_lost_;             // set when the last engine is gone
-  uint64_t infer_records_ = 0, cancel_records_ = 0, replies_ = 0;
+  uint64_t infer_records_ = 0, region_records_ = 0, cancel_records_ = 0, replies_ = 0;
 };
 
 }  // namespace voxserve

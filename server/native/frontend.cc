@@ -4,7 +4,8 @@
 // front end (its "partner") on a private Unix socket. This process connects to the engines itself, exactly as a
 // Python front end does (server/topology/remote.py: the hello, its own staging arena, the records of
 // server/topology/ipc.py), and serves the hot path, a plain valid ModelInfer, end to end in C++: parse, copy the
-// tensor into the arena, one record to the least busy engine, the reply's rows as the response. Everything else
+// tensor into the arena (or, for a tensor in a client's CUDA region, name the region), one record to the least
+// busy engine, the reply's rows (or the output region's description) as the response. Everything else
 // goes to the partner, which keeps every feature; the fast path's calls are reported to it so that its metrics
 // and statistics count them.
 //
@@ -12,6 +13,7 @@
 //   options.*    the command line (what the supervisor passes)
 //   engines.*    the engine connections, the arena, the requests in flight (remote.RemoteRunner's work)
 //   fast_path.*  which requests the fast path takes, and the responses it makes
+//   regions.*    the CUDA shared-memory regions' records (a request's checks; the engines map them)
 //   wire.*       a large request's tensor located in its wire bytes (copied once, into the arena)
 //   calls.*      the reactors of the calls: ModelInfer's fast path, forwarding to the partner, refusal
 //   report.*     the fast path's accounting, sent to the partner
@@ -116,6 +118,9 @@ int main(int argc, char** argv) {
   const voxserve::EngineHello& hello = fe->engines->hello();
   fe->spec = {o.model_name,        o.model_version,        hello.cin, hello.cout, hello.k,
               o.max_request_samples, o.max_request_voxels, fe->engines->largest_block()};
+  // CUDA shared-memory inputs on the fast path too, where the engines offer it (as the partner then does).
+  if (o.fast_path && !o.regions_dir.empty() && fe->engines->offers_cuda())
+    fe->regions = std::make_unique<voxserve::Regions>(o.regions_dir);
   fe->partner = new voxserve::Partner(o);
   voxserve::Frontend* shared = fe.get();
   fe->reporter = new voxserve::Reporter(fe->partner->report_channel(), o.report_interval_ms,
@@ -141,8 +146,9 @@ int main(int argc, char** argv) {
     Log("cannot serve on %s (--listen)", o.listen.c_str());
     return 1;
   }
-  Log("serving on %s (port %d): fast path %s, %zu engine(s), partner %s (%zu connection(s))", o.listen.c_str(), port,
-      o.fast_path ? "on" : "off", o.engines.size(), o.partner.c_str(), fe->partner->lanes());
+  Log("serving on %s (port %d): fast path %s%s, %zu engine(s), partner %s (%zu connection(s))", o.listen.c_str(),
+      port, o.fast_path ? "on" : "off", fe->regions != nullptr ? " (CUDA shared memory too)" : "", o.engines.size(),
+      o.partner.c_str(), fe->partner->lanes());
   std::printf("listening %d\n", port);
   std::fflush(stdout);
 

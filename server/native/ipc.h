@@ -11,8 +11,9 @@ namespace voxserve {
 static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__, "the records are little-endian structs");
 
 // ipc.REQUEST "<BB2xIQQQd5Q": kind, datatype (its index in voxserve.datatypes.INPUT_DATATYPES), 2 pad, bytes that
-// follow the record (0 here), request id, arena offset, byte count, deadline (CLOCK_MONOTONIC seconds; NaN: none),
-// shape (N, Cin, D, H, W).
+// follow the record (INFER_REGION: its trailer, ipc.region_trailer; else 0), request id, offset (in the arena;
+// INFER_REGION: in the client's region), byte count, deadline (CLOCK_MONOTONIC seconds; NaN: none), shape
+// (N, Cin, D, H, W).
 struct __attribute__((packed)) RequestRecord {
   uint8_t kind;
   uint8_t datatype;
@@ -40,7 +41,7 @@ struct __attribute__((packed)) ReplyRecord {
 static_assert(sizeof(RequestRecord) == 80, "ipc.REQUEST.size");
 static_assert(sizeof(ReplyRecord) == 32, "ipc.REPLY.size");
 
-constexpr uint8_t kInfer = 1, kCancel = 2;  // ipc.INFER, ipc.CANCEL
+constexpr uint8_t kInfer = 1, kCancel = 2, kInferRegion = 3;  // ipc.INFER, ipc.CANCEL, ipc.INFER_REGION
 constexpr uint8_t kReplyOk = 1;             // ipc.OK (ipc.ERROR is 2)
 constexpr size_t kAlign = 256;              // ipc.ALIGN: blocks start on this boundary
 

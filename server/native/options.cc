@@ -12,7 +12,7 @@ const char kUsage[] =
     "       [--name NAME] [--arena-bytes N] [--model-name S] [--model-version S] [--max-request-samples N]\n"
     "       [--max-request-voxels N] [--max-queue-size N] [--max-concurrent-rpcs N] [--grpc-arg NAME=VALUE ...]\n"
     "       [--token-digests PATH] [--tls-cert PATH --tls-key PATH [--tls-client-ca PATH]] [--fast-path 0|1]\n"
-    "       [--report-interval-ms N] [--grace-period-s S]";
+    "       [--report-interval-ms N] [--grace-period-s S] [--regions-dir PATH]";
 
 namespace {
 
@@ -95,6 +95,8 @@ Options ParseOptions(int argc, char** argv) {
     } else if (flag == "--fast-path") {
       if (value != "0" && value != "1") throw UsageError("--fast-path takes 0 or 1, not '" + value + "'");
       o.fast_path = value == "1";
+    } else if (flag == "--regions-dir") {
+      o.regions_dir = value;
     } else if (flag == "--report-interval-ms") {
       o.report_interval_ms = Integer(flag, value, 1);
     } else if (flag == "--grace-period-s") {

@@ -39,6 +39,7 @@ struct Options {
   std::string token_digests;               // --token-digests PATH ("" : no token check)
   std::string tls_cert, tls_key, tls_client_ca;
   bool fast_path = true;                   // --fast-path 0|1
+  std::string regions_dir;                 // --regions-dir PATH: the CUDA regions' records ("": no CUDA shm here)
   int64_t report_interval_ms = 100;        // --report-interval-ms
   double grace_period_s = 30.0;            // --grace-period-s
 

@@ -3,8 +3,9 @@
 //
 // Unary /voxserve.internal.FrontendReport/Report on the partner's socket, every --report-interval-ms while there is
 // something new, and once more at shutdown. The body is little-endian, no protobuf: a header <qI4x> (fast-path calls
-// in progress now, record count), then that many records <BB6xqqqq> (gRPC status code, served: 1, elapsed ns from
-// arrival to end, queue ns from the engine's reply or 0, samples or 0, input bytes or 0). The response is empty.
+// in progress now, record count), then that many records <BBB5xqqqq> (gRPC status code, served: 1, the input's
+// path: its index in server/metrics.py INPUT_PATHS, elapsed ns from arrival to end, queue ns from the engine's
+// reply or 0, samples or 0, input bytes or 0). The response is empty.
 // Only calls the fast path took are reported: proxied ones are counted by the partner itself.
 //
 // Records wait while the partner does not take them (not up yet, draining, gone), at most kMaxWaiting; beyond
@@ -31,17 +32,20 @@ struct __attribute__((packed)) ReportHeader {
   uint32_t count;
   uint8_t pad[4];
 };
+constexpr uint8_t kPathWire = 0, kPathCudaShm = 2;  // metrics.INPUT_PATHS: wire, system_shm, cuda_shm
+
 struct __attribute__((packed)) ReportRecord {
   uint8_t code;
   uint8_t served;
-  uint8_t pad[6];
+  uint8_t path;
+  uint8_t pad[5];
   int64_t elapsed_ns;
   int64_t queue_ns;
   int64_t samples;
   int64_t input_bytes;
 };
 static_assert(sizeof(ReportHeader) == 16, "<qI4x>");
-static_assert(sizeof(ReportRecord) == 40, "<BB6xqqqq>");
+static_assert(sizeof(ReportRecord) == 40, "<BBB5xqqqq>");
 
 constexpr char kReportMethod[] = "/voxserve.internal.FrontendReport/Report";
 

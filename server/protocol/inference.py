@@ -25,7 +25,7 @@ from voxserve.proto import pb
 from .. import tracing
 from ..core.batching import BatchResult, DeadlineExceeded, QueueFull, Stopped
 from ..core.errors import ServingError, Status, internal, invalid, runner_error, unavailable
-from ..metrics import Metrics
+from ..metrics import INPUT_PATHS, Metrics
 from . import codec
 from .admission import ByteBudget, current_call
 from .service import SERVICE_NAME, MalformedRequest, ServingState
@@ -392,11 +392,11 @@ class InferenceService:
                 m.request_duration.observe((ended - arrived) / 1e9)
 
     def account(self, codes: np.ndarray, served: np.ndarray, elapsed_ns: np.ndarray, queue_ns: np.ndarray,
-                samples: np.ndarray, input_bytes: np.ndarray) -> None:
+                samples: np.ndarray, input_bytes: np.ndarray, paths: np.ndarray) -> None:
         """Count requests another process answered (a native front end's: partner.py) as this one counts its own:
-        voxserve_requests_total by code, their durations, samples and wire bytes, and ModelStatistics. One array
-        element per request: its gRPC status code, whether it named the served model, nanoseconds from arrival to
-        the end and in the queue, samples and input bytes."""
+        voxserve_requests_total by code, their durations, samples and input bytes by path, and ModelStatistics. One
+        array element per request: its gRPC status code, whether it named the served model, nanoseconds from
+        arrival to the end and in the queue, samples, input bytes and their path (an index in INPUT_PATHS)."""
         m, stats = self.metrics.series, self.state.stats
         ok = codes == Status.OK.value
         if ok.any():
@@ -405,8 +405,10 @@ class InferenceService:
             m.samples.inc(served_samples)
         if not ok.all():
             stats.record_failure(int(elapsed_ns[~ok].sum()), int((~ok).sum()))
-        if input_bytes.any():
-            m.input_bytes["wire"].inc(int(input_bytes.sum()))
+        for index, path in enumerate(INPUT_PATHS):
+            nbytes = int(input_bytes[paths == index].sum())
+            if nbytes:
+                m.input_bytes[path].inc(nbytes)
         for (code, named), n in collections.Counter(zip(codes.tolist(), served.tolist(), strict=True)).items():
             self.metrics.count_request(Status.of(code).name, bool(named), n)
         for seconds in (elapsed_ns[served != 0] / 1e9).tolist():  # (a histogram takes its observations one by one)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import grpc
 import numpy as np
 
+from ..metrics import INPUT_PATHS
 from .inference import HttpCall, InferenceService
 
 REPORT_SERVICE = "voxserve.internal.FrontendReport"
@@ -21,9 +22,10 @@ PEER_HEADER = "x-voxserve-peer"  # the client's address, as the native front end
 # calls in progress in the native front end, records that follow (little-endian)
 REPORT_HEADER = np.dtype([("inflight", "<i8"), ("count", "<u4"), ("pad", "V4")])
 # one call the native front end answered: its gRPC status code, whether it named the served model (always, there),
-# nanoseconds from arrival to the end, in the engine's queue, its samples and input bytes (0 when it got no further)
-RECORD = np.dtype([("code", "u1"), ("served", "u1"), ("pad", "V6"), ("elapsed_ns", "<i8"), ("queue_ns", "<i8"),
-                   ("samples", "<i8"), ("input_bytes", "<i8")])
+# the path its input came by (its index in metrics.INPUT_PATHS), nanoseconds from arrival to the end, in the
+# engine's queue, its samples and input bytes (0 when it got no further)
+RECORD = np.dtype([("code", "u1"), ("served", "u1"), ("path", "u1"), ("pad", "V5"), ("elapsed_ns", "<i8"),
+                   ("queue_ns", "<i8"), ("samples", "<i8"), ("input_bytes", "<i8")])
 
 
 def forwarded_peer(context) -> str:
@@ -58,9 +60,12 @@ class Reports:
             raise ValueError(f"a report announcing {count} records and {inflight} calls in progress has {len(body)} "
                              f"bytes, not {REPORT_HEADER.itemsize + count * RECORD.itemsize}")
         records = np.frombuffer(body, RECORD, count, REPORT_HEADER.itemsize)
+        if count and int(records["path"].max()) >= len(INPUT_PATHS):
+            raise ValueError(f"a report's record names input path {int(records['path'].max())}; there are "
+                             f"{len(INPUT_PATHS)} ({', '.join(INPUT_PATHS)})")
         if count:
             self.service.account(records["code"], records["served"], records["elapsed_ns"], records["queue_ns"],
-                                 records["samples"], records["input_bytes"])
+                                 records["samples"], records["input_bytes"], records["path"])
         self.service.metrics.series.inflight.inc(inflight - self.inflight)
         self.inflight = inflight
         return count

@@ -33,8 +33,10 @@ def write_token_digests(settings: Settings, run_dir: str) -> str | None:
 
 
 def command(binary: Path, settings: Settings, name: str, engines: Sequence[str], partner_socket: str, port: int,
-            token_digests: str | None) -> list[str]:
-    """The native front end ``name``'s command line: the public port (shared), its engines and its partner."""
+            token_digests: str | None, regions_dir: str | None = None) -> list[str]:
+    """The native front end ``name``'s command line: the public port (shared), its engines and its partner; and the
+    regions' records (``regions_dir``), which it reads to take requests whose input lies in CUDA shared memory
+    (where the engines offer it)."""
     args = [str(binary), "--name", name, "--listen", f"{settings.host}:{port}", "--partner", f"unix:{partner_socket}",
             "--arena-bytes", str(settings.frontend_arena_bytes), "--model-name", settings.model_name,
             "--model-version", settings.model_version, "--max-request-samples", str(settings.max_request_samples),
@@ -49,6 +51,8 @@ def command(binary: Path, settings: Settings, name: str, engines: Sequence[str],
         args += ["--grpc-arg", f"{key}={value}"]
     if token_digests is not None:
         args += ["--token-digests", token_digests]
+    if regions_dir is not None:
+        args += ["--regions-dir", regions_dir]
     if settings.tls_cert:
         args += ["--tls-cert", settings.tls_cert, "--tls-key", settings.tls_key]
         if settings.tls_client_ca:

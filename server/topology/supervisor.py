@@ -268,7 +268,8 @@ def supervise(settings: Settings, command: Sequence[str] | None = None) -> int:
                 log.info("front end %d (pid %d), gRPC port %d, REST port %d", j, children[-1].pid, port, http_port)
                 continue
             natives.append(subprocess.Popen(
-                native_frontends.command(native, settings, name, sockets, partner, port, token_digests)))
+                native_frontends.command(native, settings, name, sockets, partner, port, token_digests,
+                                         os.path.join(run_dir, "regions"))))
             children.append(natives[-1])
             log.info("front end %d: native (pid %d) on gRPC port %d, its Python partner (pid %d) on unix:%s and REST "
                      "port %d", j, children[-1].pid, port, children[-2].pid, partner, http_port)

@@ -30,7 +30,7 @@ REPORT = "/voxserve.internal.FrontendReport/Report"
 HOLD = "/test.Partner/Hold"  # the partner holds it until the call is cancelled
 
 REPORT_HEADER = struct.Struct("<qI4x")
-REPORT_RECORD = struct.Struct("<BB6xqqqq")
+REPORT_RECORD = struct.Struct("<BBB5xqqqq")  # code, served, input path, elapsed ns, queue ns, samples, input bytes
 
 # The Python front end's server options (server/protocol/server.py), as the supervisor passes them.
 GRPC_ARGS = ["--grpc-arg", f"grpc.max_receive_message_length={128 << 20}",
@@ -72,7 +72,8 @@ class Received:
 @dataclasses.dataclass(frozen=True)
 class ReportBody:
     in_progress: int
-    records: list[tuple[int, int, int, int, int, int]]  # code, served, elapsed ns, queue ns, samples, input bytes
+    # code, served, elapsed ns, queue ns, samples, input bytes, input path (its index in metrics.INPUT_PATHS)
+    records: list[tuple[int, int, int, int, int, int, int]]
 
 
 class Partner:
@@ -106,7 +107,7 @@ class Partner:
             self.calls.append(call)
         return call
 
-    def report_records(self) -> list[tuple[int, int, int, int, int, int]]:
+    def report_records(self) -> list[tuple[int, int, int, int, int, int, int]]:
         with self._lock:
             return [r for body in self.reports for r in body.records]
 
@@ -130,8 +131,10 @@ class Partner:
         if len(request) != REPORT_HEADER.size + count * REPORT_RECORD.size:
             self.bad_reports.append(request)
             return b""
-        records = [REPORT_RECORD.unpack_from(request, REPORT_HEADER.size + i * REPORT_RECORD.size)
-                   for i in range(count)]
+        records = []
+        for i in range(count):
+            code, served, path, *rest = REPORT_RECORD.unpack_from(request, REPORT_HEADER.size + i * REPORT_RECORD.size)
+            records.append((code, served, *rest, path))
         with self._lock:
             self.reports.append(ReportBody(in_progress, records))
         return b""
@@ -181,19 +184,21 @@ class Record:
     nbytes: int
     deadline: float
     shape: tuple[int, ...]
-    data: bytes
+    data: bytes  # INFER: the block's bytes; INFER_REGION: none (the tensor is in the client's region)
     received: float  # time.monotonic()
+    trailer: bytes = b""  # INFER_REGION: ipc.region_trailer's
 
 
 class FakeEngine:
-    """An engine on ``path`` speaking ipc.py's records (the hello, INFER, CANCEL, replies), whose answers the test
-    scripts: with ``auto`` every INFER is answered at once with rows of 1/cout, else it waits for ``reply``."""
+    """An engine on ``path`` speaking ipc.py's records (the hello, INFER, INFER_REGION, CANCEL, replies), whose
+    answers the test scripts: with ``auto`` every INFER and INFER_REGION is answered at once with rows of 1/cout,
+    else it waits for ``reply``. ``cuda_devices``: what its hello says it can open clients' CUDA memory on."""
 
     def __init__(self, path: Path, device: str = "fake", auto: bool = True, cin: int = 3, cout: int = 16,
-                 k: int = 3) -> None:
+                 k: int = 3, cuda_devices: int = 0) -> None:
         self.path, self.device, self.auto, self.cout = path, device, auto, cout
         self.hello = {"engine": 0, "cin": cin, "cout": cout, "k": k, "device": device, "kernel": "fake-kernel",
-                      "pid": os.getpid(), "cuda_devices": 0, "system_shm_in_place": False}
+                      "pid": os.getpid(), "cuda_devices": cuda_devices, "system_shm_in_place": False}
         self.records: list[Record] = []
         self.frontends: list[dict] = []
         self._cv = threading.Condition()
@@ -229,16 +234,17 @@ class FakeEngine:
             if not data:
                 return
             buffer += data
-            records, used = ipc.requests(buffer, 0)
+            records, used = ipc.requests(buffer, 1 << 16)
             buffer = buffer[used:]
-            for fields, _ in records:
+            for fields, trailer in records:
                 kind, _dtype, _trailer, req_id, offset, nbytes, deadline, *shape = fields
                 record = Record(kind, req_id, offset, nbytes, deadline, tuple(shape),
-                                bytes(arena[offset:offset + nbytes]) if kind == ipc.INFER else b"", time.monotonic())
+                                bytes(arena[offset:offset + nbytes]) if kind == ipc.INFER else b"", time.monotonic(),
+                                trailer)
                 with self._cv:
                     self.records.append(record)
                     self._cv.notify_all()
-                if self.auto and kind == ipc.INFER:
+                if self.auto and kind in (ipc.INFER, ipc.INFER_REGION):
                     self.reply(conn, req_id, shape[0])
 
     def connection(self, index: int = 0) -> socket.socket:

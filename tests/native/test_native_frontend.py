@@ -816,3 +816,257 @@ def test_large_requests_the_walk_refuses_or_protobuf_rejects_reach_the_partner_u
         assert fe.counters()["tensors from the wire"] == 0
     assert engine.infers() == []
     assert [c.messages for c in partner.received(INFER)] == [[b] for b in cases.values()] + [[cases["cut short"]]]
+
+
+# --- CUDA shared memory on the fast path ------------------------------------------------------------------------
+
+
+class Regions:
+    """A regions directory whose records are written as the server writes them: CUDA regions by a
+    CudaSharedMemoryRegistry over a fake device layer of 8 devices, system regions by a SharedMemoryRegistry."""
+
+    def __init__(self, path: Path) -> None:
+        from voxserve.server.protocol.cudashm import CudaSharedMemoryRegistry
+        from voxserve.server.protocol.shm import SharedMemoryRegistry
+        from voxserve.testing.fake_devicemem import FakeDeviceMemory
+
+        path.mkdir()
+        self.path = path
+        self.devices = FakeDeviceMemory(8)
+        self.system = SharedMemoryRegistry(64, 1 << 30, str(path))
+        self.cuda = CudaSharedMemoryRegistry(self.devices, 64, self.system, str(path))
+        self.system.cuda = self.cuda
+        self.segments: list = []
+
+    def register(self, name: str, byte_size: int, device: int = 0) -> None:
+        import asyncio
+
+        asyncio.run(self.cuda.register(name, self.devices.export(byte_size, device), device, byte_size))
+
+    def unregister(self, name: str) -> None:
+        import asyncio
+
+        asyncio.run(self.cuda.unregister(name))
+
+    def register_system(self, name: str, byte_size: int) -> None:
+        from voxserve.client import SharedMemoryBuffer
+
+        segment = SharedMemoryBuffer(f"vxn_{os.getpid()}_{name}", byte_size)
+        self.segments.append(segment)
+        self.system.register(name, segment.key, 0, byte_size)
+
+    def close(self) -> None:
+        self.cuda.close()
+        for segment in self.segments:
+            segment.close()
+
+
+@pytest.fixture
+def regions(sock_dir: Path) -> Iterator[Regions]:
+    r = Regions(sock_dir / "regions")
+    yield r
+    r.close()
+
+
+def cuda_engines(sock_dir: Path, devices: list[str], auto: bool = True) -> list[FakeEngine]:
+    return [FakeEngine(sock_dir / f"e{i}.sock", device=d, auto=auto, cuda_devices=8) for i, d in enumerate(devices)]
+
+
+def in_region(shape=(1, 3, 3, 3, 3), datatype: str = "FP32", region: str = "in", offset: int = 0,
+              output: tuple[str, int] | None = None, request_id: str = "r") -> pb.ModelInferRequest:
+    """A request whose input lies at ``offset`` of CUDA region ``region``; its output in the response, or at
+    ``output`` (region, offset)."""
+    from voxserve.client import build_shm_request
+
+    r = build_shm_request(shape, "voxnet", datatype, region, offset, *(output or (None, 0)),
+                          shape[0] * 16 * 4 if output else None)
+    r.id = request_id
+    return r
+
+
+def python_answer(r: pb.ModelInferRequest, rows: np.ndarray) -> pb.ModelInferResponse:
+    """What the Python front end answers ``r`` with when the engine's rows are ``rows`` (codec.encode_response)."""
+    from voxserve.server.protocol import codec
+
+    out = r.outputs[0].parameters if r.outputs else {}
+    output_shm = (codec.SharedMemoryRef(out["shared_memory_region"].string_param, 0, rows.nbytes)
+                  if "shared_memory_region" in out else None)
+    spec = codec.ModelSpec("voxnet", "1", 3, 16, 3, 1024)
+    return codec.encode_response(r, spec, rows, codec.InferInput(np.zeros(1), "FP32", False, output_shm))
+
+
+def test_a_cuda_region_request_goes_by_region_to_the_least_busy_engine_on_its_device(binary, sock_dir, partner,
+                                                                                      regions):
+    engines = cuda_engines(sock_dir, ["cuda:1", "cuda:0", "cuda:0"], auto=False)
+    regions.register("in", 1 << 20, device=0)
+    regions.register("out", 4096, device=0)
+    regions.register("far", 4096, device=5)  # on a device no engine executes on
+    plain = in_region(offset=512)
+    with_output = in_region((2, 3, 3, 3, 3), "FP16", offset=1024, output=("out", 256), request_id="o")
+    far = in_region(region="far", request_id="f")
+    try:
+        with native(binary, [e.path for e in engines], partner, "--regions-dir", str(regions.path)) as fe, \
+                grpc.insecure_channel(fe.url) as channel:
+            assert "(CUDA shared memory too)" in fe.log()
+            futures = []
+            # cuda:0's engines, the one with the fewest outstanding each time (the first on a tie); the far
+            # region's on the first live engine (the one that registered it, as in remote.RemoteRunner.run)
+            for r, expected in ((plain, [0, 1, 0]), (with_output, [0, 1, 1]), (far, [1, 1, 1])):
+                futures.append(channel.unary_unary(INFER).future(r.SerializeToString(), timeout=60))
+                wait_for(lambda expected=expected: [len(e.records) for e in engines] == expected,
+                         what=f"records on the engines {expected}")
+            rows = np.random.default_rng(1).random((2, 16), dtype=np.float32)
+            for e in engines:
+                (record,) = e.records
+                e.reply(e.connection(), record.id, record.shape[0], rows[: record.shape[0]])
+            for r, future in zip((plain, with_output, far), futures, strict=True):
+                response = pb.ModelInferResponse.FromString(future.result())
+                assert response == python_answer(r, rows[: r.inputs[0].shape[0]])
+            assert fe.stop() == 0
+        # No wire bytes, no arena: INFER_REGION records naming the regions and offsets
+        got = [(rec.kind, rec.offset, rec.nbytes, rec.shape, ipc.parse_region(rec.trailer))
+               for e in engines for rec in e.records]
+        assert got == [(ipc.INFER_REGION, 0, 324, (1, 3, 3, 3, 3), ("cuda", "far", None)),
+                       (ipc.INFER_REGION, 512, 324, (1, 3, 3, 3, 3), ("cuda", "in", None)),
+                       (ipc.INFER_REGION, 1024, 324, (2, 3, 3, 3, 3), ("cuda", "in", ("out", 256)))]
+        # each one reported once, its bytes on the CUDA path (metrics.INPUT_PATHS[2])
+        assert sorted((r[0], r[4], r[5], r[6]) for r in partner.report_records()) == [
+            (OK, 1, 324, 2), (OK, 1, 324, 2), (OK, 2, 324, 2)]
+        assert partner.received(INFER) == []
+        assert "of which by region 3," in fe.log()
+    finally:
+        for e in engines:
+            e.close()
+
+
+def region_cases(regions: Regions) -> dict[str, bytes]:
+    """Requests in CUDA shared memory the fast path must not take (the Python front end's: each is refused there,
+    or served another way), as their bytes; ``regions`` gets the regions they name."""
+    regions.register("in", 4096)
+    regions.register("out", 4096)
+    regions.register("dev1", 4096, device=1)
+    regions.register_system("sys", 4096)
+    (regions.path / "r-cut").write_text('{"kind": "cuda", "handle": "AAAA')  # a record being written
+
+    def edited(edit, r: pb.ModelInferRequest | None = None) -> bytes:
+        r = r if r is not None else in_region(output=("out", 0))
+        edit(r)
+        return r.SerializeToString()
+
+    def param(tensor, key: str, kind: str, value) -> None:
+        setattr(tensor.parameters[f"shared_memory_{key}"], kind, value)
+
+    def wire_output(r):
+        param(r.outputs.add(name="output"), "region", "string_param", "out")
+        param(r.outputs[0], "byte_size", "int64_param", 64)
+
+    return {
+        "an unregistered region": edited(lambda r: None, in_region(region="nope")),
+        "a system region": edited(lambda r: None, in_region(region="sys")),
+        "a region whose record is being written": edited(lambda r: None, in_region(region="cut")),
+        "a name that is no region's": edited(lambda r: None, in_region(region="../regions/r-in")),
+        "byte size an element short": edited(lambda r: param(r.inputs[0], "byte_size", "int64_param", 320)),
+        "no byte size": edited(lambda r: r.inputs[0].parameters.pop("shared_memory_byte_size")),
+        "an offset off a whole element": edited(lambda r: param(r.inputs[0], "offset", "int64_param", 2)),
+        "beyond the region": edited(lambda r: param(r.inputs[0], "offset", "uint64_param", 4096 - 320)),
+        "an offset beyond any region": edited(lambda r: param(r.inputs[0], "offset", "uint64_param", 2**64 - 4)),
+        "an offset as a string": edited(lambda r: param(r.inputs[0], "offset", "string_param", "0")),
+        "a negative offset": edited(lambda r: param(r.inputs[0], "offset", "int64_param", -4)),
+        "a region as a number": edited(lambda r: param(r.inputs[0], "region", "int64_param", 1)),
+        "raw contents too": edited(lambda r: r.raw_input_contents.append(b"\0" * 324)),
+        "typed contents too": edited(lambda r: r.inputs[0].contents.fp32_contents.extend([0.0] * 81)),
+        "another input parameter": edited(lambda r: setattr(r.inputs[0].parameters["priority"], "int64_param", 1)),
+        "an output byte size short": edited(lambda r: param(r.outputs[0], "byte_size", "int64_param", 60)),
+        "an output without a byte size": edited(lambda r: r.outputs[0].parameters.pop("shared_memory_byte_size")),
+        "an output off a whole float": edited(lambda r: param(r.outputs[0], "offset", "int64_param", 2)),
+        "an output beyond its region": edited(lambda r: param(r.outputs[0], "offset", "int64_param", 4096 - 60)),
+        "an output on another device": edited(lambda r: param(r.outputs[0], "region", "string_param", "dev1")),
+        "an output in a system region": edited(lambda r: param(r.outputs[0], "region", "string_param", "sys")),
+        "an output in no region": edited(lambda r: param(r.outputs[0], "region", "string_param", "nope")),
+        "classification": edited(lambda r: setattr(r.outputs[0].parameters["classification"], "int64_param", 3)),
+        "a wire input's output in a CUDA region": edited(wire_output, request()),
+        "two outputs": edited(lambda r: r.outputs.add(name="output")),
+        "an input of 1025 samples": edited(lambda r: r.inputs[0].shape.__setitem__(0, 1025)),
+    }
+
+
+def test_cuda_region_requests_the_fast_path_does_not_take_reach_the_partner_unchanged(binary, sock_dir, partner,
+                                                                                       regions):
+    (engine,) = cuda_engines(sock_dir, ["cuda:0"])
+    cases = region_cases(regions)
+    try:
+        with native(binary, [engine.path], partner, "--regions-dir", str(regions.path)) as fe:
+            for name, payload in cases.items():
+                assert infer(fe.url, payload)[:3] == (OK, "", b"partner:" + payload), name
+            assert engine.records == []
+    finally:
+        engine.close()
+    assert [c.messages for c in partner.received(INFER)] == [[p] for p in cases.values()]
+    assert partner.report_records() == []
+
+
+@pytest.mark.parametrize("how", ["without --regions-dir", "engines without CUDA shared memory", "--fast-path 0"])
+def test_without_cuda_shared_memory_in_the_engines_or_the_flag_region_requests_reach_the_partner(
+        binary, sock_dir, partner, regions, how):
+    engine = FakeEngine(sock_dir / "e.sock", device="cuda:0", cuda_devices=0 if "engines" in how else 1)
+    regions.register("in", 4096)
+    payload = in_region().SerializeToString()
+    flags = [] if how == "without --regions-dir" else ["--regions-dir", str(regions.path)]
+    flags += ["--fast-path", "0"] if how == "--fast-path 0" else []
+    try:
+        with native(binary, [engine.path], partner, *flags) as fe:
+            assert infer(fe.url, payload)[:3] == (OK, "", b"partner:" + payload)
+            assert "(CUDA shared memory too)" not in fe.log()
+        assert engine.records == []
+    finally:
+        engine.close()
+
+
+def test_a_region_unregistered_or_registered_anew_is_read_again(binary, sock_dir, partner, regions):
+    """A record is cached by its file's identity: a region unregistered goes to the partner (NOT_FOUND there), one
+    registered again is checked against its new size."""
+    (engine,) = cuda_engines(sock_dir, ["cuda:0"])
+    payload = in_region(offset=1024).SerializeToString()
+    regions.register("in", 4096)
+    try:
+        with native(binary, [engine.path], partner, "--regions-dir", str(regions.path)) as fe:
+            assert infer(fe.url, payload)[0] == OK and len(engine.records) == 1
+            regions.unregister("in")
+            assert infer(fe.url, payload)[2] == b"partner:" + payload
+            regions.register("in", 1200)  # too small for the tensor at 1024 now
+            assert infer(fe.url, payload)[2] == b"partner:" + payload
+            regions.unregister("in")
+            regions.register("in", 1024 + 324)
+            assert infer(fe.url, payload)[0] == OK and len(engine.records) == 2
+    finally:
+        engine.close()
+    assert len(partner.received(INFER)) == 2
+
+
+def test_a_cancelled_region_request_sends_cancel_and_takes_no_arena_room(binary, sock_dir, partner, regions):
+    """A region's request holds no arena block: it goes out while wire requests wait for room, and cancelled it
+    sends CANCEL as they do."""
+    (engine,) = cuda_engines(sock_dir, ["cuda:0"], auto=False)
+    regions.register("in", 4096)
+    big = request((8, 3, 32, 32, 32)).SerializeToString()  # 3 MiB: one fills half of a 6 MiB arena ...
+    try:
+        with native(binary, [engine.path], partner, "--regions-dir", str(regions.path), "--arena-bytes",
+                    str(6 << 20)) as fe, grpc.insecure_channel(fe.url, options=[
+                        ("grpc.max_send_message_length", 1 << 27)]) as channel:
+            held = [channel.unary_unary(INFER).future(big, timeout=60) for _ in range(3)]
+            wait_for(lambda: fe.counters()["waiting"] == 1, what="a wire request waiting for arena room")
+            region_call = channel.unary_unary(INFER).future(in_region().SerializeToString(), timeout=60)
+            (record,) = engine.wait_records(ipc.INFER_REGION, 1)
+            region_call.cancel()
+            (cancel,) = engine.wait_records(ipc.CANCEL, 1)
+            assert cancel.id == record.id
+            for r in engine.infers():
+                engine.reply(engine.connection(), r.id, 8)
+            engine.reply(engine.connection(), record.id, 1)  # (the reply to a cancelled one frees nothing)
+            wait_for(lambda: len(engine.infers()) == 3, what="the waiting request sent")
+            engine.reply(engine.connection(), engine.infers()[-1].id, 8)
+            assert all(f.result() for f in held)
+            assert fe.counters()["pending"] == 0
+    finally:
+        engine.close()
+    assert Counter(r[0] for r in partner.report_records()) == {OK: 3, CANCELLED: 1}

@@ -31,12 +31,13 @@ def from_args(argv: list[str]) -> Settings:
     return from_namespace(parser.parse_args(argv))
 
 
-def _report(inflight: int, rows: list[tuple[int, int, int, int, int, int]]) -> bytes:
+def _report(inflight: int, rows: list[tuple[int, ...]]) -> bytes:
+    """A report body of ``rows``: (code, served, elapsed ns, queue ns, samples, input bytes[, input path])."""
     header = np.zeros(1, partner.REPORT_HEADER)
     header["inflight"], header["count"] = inflight, len(rows)
     records = np.zeros(len(rows), partner.RECORD)
-    for i, (code, served, elapsed, queue, samples, nbytes) in enumerate(rows):
-        records[i] = (code, served, b"\0" * 6, elapsed, queue, samples, nbytes)
+    for i, (code, served, elapsed, queue, samples, nbytes, *path) in enumerate(rows):
+        records[i] = (code, served, path[0] if path else 0, b"\0" * 5, elapsed, queue, samples, nbytes)
     return header.tobytes() + records.tobytes()
 
 
@@ -67,8 +68,19 @@ def test_reports_are_accounted_as_this_process_accounts_its_own_requests():
     assert _value(metrics, "voxserve_inflight_requests") == 1
 
 
+def test_reported_input_bytes_are_counted_by_their_path():
+    metrics = Metrics("voxnet")
+    reports = partner.Reports(InferenceService(ServingState(), metrics, "voxnet", "1"))
+    ok = Status.OK.value
+    reports.apply(_report(0, [(ok, 1, 10, 0, 1, 1000, 0), (ok, 1, 10, 0, 2, 300, 2), (ok, 1, 10, 0, 2, 30, 2)]))
+    assert _value(metrics, "voxserve_input_bytes_total", path="wire") == 1000
+    assert _value(metrics, "voxserve_input_bytes_total", path="cuda_shm") == 330
+    assert _value(metrics, "voxserve_input_bytes_total", path="system_shm") == 0
+
+
 @pytest.mark.parametrize("body", [b"", b"\0" * 8, _report(0, [(0, 1, 1, 1, 1, 1)])[:-1],
-                                  _report(0, [(0, 1, 1, 1, 1, 1)]) + b"\0", _report(-1, [])])
+                                  _report(0, [(0, 1, 1, 1, 1, 1)]) + b"\0", _report(-1, []),
+                                  _report(0, [(0, 1, 1, 1, 1, 1, 3)])])
 def test_a_body_that_is_not_a_report_is_refused_and_counts_nothing(body):
     metrics = Metrics("voxnet")
     reports = partner.Reports(InferenceService(ServingState(), metrics, "voxnet", "1"))
@@ -100,7 +112,9 @@ def test_the_native_front_ends_command_carries_the_servers_limits_and_options(tm
     assert [args[i + 1] for i, a in enumerate(args) if a == "--engine"] == ["/r/engine-0.sock", "/r/e1.sock"]
     grpc_args = [args[i + 1] for i, a in enumerate(args) if a == "--grpc-arg"]
     assert f"grpc.max_receive_message_length={32 << 20}" in grpc_args and "grpc.so_reuseport=0" not in grpc_args
-    assert "--token-digests" not in args and "--tls-cert" not in args
+    assert "--token-digests" not in args and "--tls-cert" not in args and "--regions-dir" not in args
+    with_regions = native.command(tmp_path / "b", settings, "f", ["/e"], "/p", 1, None, "/r/regions")
+    assert with_regions[with_regions.index("--regions-dir") + 1] == "/r/regions"
     traced = from_args(["--frontends", "2", "--frontend-impl", "native", "--access-log"])
     flags = native.command(tmp_path / "b", traced, "f", ["/e"], "/p", 1, None)
     assert flags[flags.index("--fast-path") + 1] == "0"  # the Python path traces and logs
