@@ -1067,6 +1067,7 @@ def test_a_cancelled_region_request_sends_cancel_and_takes_no_arena_room(binary,
             engine.reply(engine.connection(), engine.infers()[-1].id, 8)
             assert all(f.result() for f in held)
             assert fe.counters()["pending"] == 0
+            assert fe.stop() == 0  # (the last report goes out as it stops)
     finally:
         engine.close()
     assert Counter(r[0] for r in partner.report_records()) == {OK: 3, CANCELLED: 1}
