@@ -48,6 +48,10 @@ bool ReadRecord(const std::string& path, std::string* text, struct stat* info) {
   return ok;
 }
 
+int64_t MtimeNs(const struct stat& info) {
+  return static_cast<int64_t>(info.st_mtim.tv_sec) * 1000000000 + info.st_mtim.tv_nsec;
+}
+
 }  // namespace
 
 bool Regions::ValidName(const std::string& name) {
@@ -69,7 +73,7 @@ bool Regions::Lookup(const std::string& name, CudaRegionRecord* out) {
     cache_.erase(name);
     return false;
   }
-  const int64_t mtime_ns = static_cast<int64_t>(info.st_mtim.tv_sec) * 1000000000 + info.st_mtim.tv_nsec;
+  const int64_t mtime_ns = MtimeNs(info);
   {
     std::lock_guard<std::mutex> l(mu_);
     auto it = cache_.find(name);
@@ -90,9 +94,7 @@ bool Regions::Lookup(const std::string& name, CudaRegionRecord* out) {
   } catch (const std::exception&) {
     return false;  // cut short (being written): as absent, as cudashm._read_record
   }
-  Cached cached{read_info.st_ino,
-                static_cast<int64_t>(read_info.st_mtim.tv_sec) * 1000000000 + read_info.st_mtim.tv_nsec,
-                read_info.st_size, false, {}};
+  Cached cached{read_info.st_ino, MtimeNs(read_info), read_info.st_size, false, {}};
   const auto kind = fields.find("kind");
   if (kind != fields.end() && kind->second == "cuda") {
     uint64_t device = 0, size = 0;
