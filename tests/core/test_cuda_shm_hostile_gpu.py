@@ -484,8 +484,8 @@ def test_unregister_while_sixteen_requests_read_the_region(gpu_server, healthy, 
     counting = threading.Lock()
     real_lease = registry.lease
 
-    def lease(name, offset, byte_size, what):
-        taken = real_lease(name, offset, byte_size, what)
+    def lease(name, offset, byte_size, what, open_here=True):
+        taken = real_lease(name, offset, byte_size, what, open_here)
         if name == "busy":
             with counting:
                 leased[0] += 1

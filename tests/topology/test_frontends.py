@@ -21,6 +21,7 @@ import grpc
 import numpy as np
 import pytest
 import torch
+from prometheus_client.parser import text_string_to_metric_families
 
 from voxserve.client import Client, InferenceError, SharedMemoryBuffer
 from voxserve.datatypes import to_wire
@@ -1076,6 +1077,13 @@ def test_frontends_auto_starts_front_ends_for_a_gpu(tmp_path):
     assert srv.log.count("(front end of 1 engine(s))") == expected and "engine 0 ready on cuda" in srv.log
 
 
+def _cuda_shm_bytes(metrics_port: int) -> float:
+    """voxserve_input_bytes_total on the cuda_shm path, summed over every process's series."""
+    text = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5).read().decode()
+    return sum(sample.value for family in text_string_to_metric_families(text) for sample in family.samples
+               if sample.name == "voxserve_input_bytes_total" and sample.labels.get("path") == "cuda_shm")
+
+
 def _cuda_round_through(url: str, exporter, x: np.ndarray, datatype: str) -> None:
     """One region of ``x`` in ``datatype``: registered through one connection, 16 requests over 8 connections
     (both front ends) writing their outputs into the region, one answered in the response, then unregistered."""
@@ -1128,10 +1136,7 @@ def test_cuda_shared_memory_through_two_front_ends_on_a_gpu(tmp_path, engines):
         _wait_for(lambda: _metric(srv.metrics_port, "voxserve_model_ready") == 1.0, 300, "every process ready")
         for datatype in ("FP32", "FP16"):
             _cuda_round_through(srv.url, exporter, x, datatype)
-        text = urllib.request.urlopen(f"http://127.0.0.1:{srv.metrics_port}/metrics", timeout=5).read().decode()
-        counted = sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-                      if line.startswith("voxserve_input_bytes_total{") and 'path="cuda_shm"' in line)
-        assert counted == 17 * (x.nbytes + x.nbytes // 2)  # 17 requests of each datatype, none on the wire
+        assert _cuda_shm_bytes(srv.metrics_port) == 17 * (x.nbytes + x.nbytes // 2)  # 17 of each datatype
         srv.proc.send_signal(signal.SIGTERM)
         assert srv.proc.wait(timeout=90) == 0
     assert ("mapped here too" in srv.log) == (engines == 2), srv.log

@@ -213,7 +213,7 @@ def test_cuda_shared_memory_on_the_native_fast_path_on_a_gpu(tmp_path):
     fp32 of float64; the bytes counted as CUDA shared memory's; a request after the unregistration goes to the
     partner and is NOT_FOUND there."""
     from ..cuda_exporter import Exporter
-    from .test_frontends import _cuda_round_through
+    from .test_frontends import _cuda_round_through, _cuda_shm_bytes
 
     x = np.random.default_rng().standard_normal((4, 3, 16, 32, 32), dtype=np.float32)
     with serve_process(tmp_path / "server.log", "--frontends", "2", "--frontend-impl", "native", "--replicas", "2",
@@ -221,18 +221,13 @@ def test_cuda_shared_memory_on_the_native_fast_path_on_a_gpu(tmp_path):
         _ready(srv)
         for datatype in ("FP32", "FP16"):
             _cuda_round_through(srv.url, exporter, x, datatype)
-        counted = sum(float(line.rsplit(" ", 1)[1]) for line in _metrics_text(srv.metrics_port).splitlines()
-                      if line.startswith("voxserve_input_bytes_total{") and 'path="cuda_shm"' in line)
-        assert counted == 17 * (x.nbytes + x.nbytes // 2)  # 17 requests of each datatype, none on the wire
+        # 17 requests of each datatype, none on the wire; the native front ends report them every 20 ms
+        expected = 17 * (x.nbytes + x.nbytes // 2)
+        _wait_for(lambda: _cuda_shm_bytes(srv.metrics_port) >= expected, 10, "the requests' reports")
+        assert _cuda_shm_bytes(srv.metrics_port) == expected
         srv.proc.send_signal(signal.SIGTERM)
         assert srv.proc.wait(timeout=90) == 0
     # Every served request went by region from a native front end (the 4 refused after the unregistration were
     # the partners').
     by_region = [int(n) for n in re.findall(r"stopped: infer records \d+, of which by region (\d+)", srv.log)]
     assert len(by_region) == 2 and sum(by_region) == 2 * 17, srv.log
-
-
-def _metrics_text(port: int) -> str:
-    import urllib.request
-
-    return urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
