@@ -13,6 +13,7 @@
 #   FULL_PROCESSES=N (default 1): load processes of the full-batch levels (one Python client process moves ~1-2
 #             GB/s of 25 MB messages; more measure the server rather than the client).
 #   ENGINES=N (default 1): engine processes behind the front ends (--replicas N; on one GPU they share it).
+#   TABLES=a,b: only these of service_bench's tables (--tables; e.g. shm,cuda_shm,batch1,cuda_shm_batch1).
 #   COMMIT=SHA: the commit measured, named in the report (the device's copy of the tree has older git metadata).
 # Writes $OUT/service-<device>.md and $OUT/service.log. The whole run stays within LIMIT_S (590) seconds.
 set -uo pipefail
@@ -46,5 +47,5 @@ echo "service_bench: ${left} s left; MLServer: ${MLS[*]:-not run}; Triton: ${TRI
 PYTHONUNBUFFERED=1 timeout "$left" python3 bench/service_bench.py --frontends "${FRONTENDS:-6}" --processes 8 \
   --connections 16 --full-concurrency "${FULL_CONCURRENCY:-1,4,16}" --duration "${DURATION:-5}" "${MLS[@]}" \
   "${TRITON[@]}" "${NATIVE[@]}" --engines "${ENGINES:-1}" \
-  --full-processes "${FULL_PROCESSES:-1}" ${COMMIT:+--commit "$COMMIT"} --out "$OUT/service-$name.md" > /dev/null
+  --full-processes "${FULL_PROCESSES:-1}" ${COMMIT:+--commit "$COMMIT"} ${TABLES:+--tables "$TABLES"} --out "$OUT/service-$name.md" > /dev/null
 tail -20 "$OUT/service-$name.md"

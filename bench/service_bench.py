@@ -60,6 +60,16 @@ from voxserve.testing.load import ServerProcess, free_port
 REPO = Path(__file__).resolve().parents[1]
 SAMPLE = (3, 16, 32, 32)
 TRITON = "Triton"
+TITLES = {"full": "Full batch, FP32 over gRPC", "fp16": "Full batch, FP16 on the wire",  # the tables, in order
+          "shm": "Full batch in system shared memory", "cuda_shm": "Full batch in CUDA shared memory (the client's "
+          "GPU memory)", "batch1": "Batch 1 at concurrency 64", "cuda_shm_batch1": "Batch 1 in CUDA shared memory "
+          "at concurrency 64", "rest_full": "Full batch, FP32 over REST",
+          "rest_batch1": "Batch 1 over REST at concurrency 64"}
+
+
+def wanted(args, *tables: str) -> bool:
+    """Whether any of ``tables`` (TITLES' keys) is asked for (--tables; every one without it)."""
+    return args.tables is None or any(t in args.tables for t in tables)
 
 
 @contextlib.contextmanager
@@ -129,12 +139,14 @@ def rest_rows(args, out: dict[str, list[LevelResult]], host_port: str, full: np.
     """A server's REST rows: full batches (binary; with ``full_json`` also JSON at c=1: a 128-sample batch is
     ~130 MB of JSON) and batch 1 at c=64 (binary and JSON)."""
     d, one = args.duration, full[:1].copy()
-    for c in args.full_concurrency:
-        out["rest_full"].append(rest_level(host_port, full, True, c, target, d, args.full_processes, model=model))
-    if full_json:
-        out["rest_full"].append(rest_level(host_port, full, False, 1, target, d, model=model))
-    for binary in (True, False):
-        out["rest_batch1"].append(rest_level(host_port, one, binary, 64, target, d, args.processes, model=model))
+    if wanted(args, "rest_full"):
+        for c in args.full_concurrency:
+            out["rest_full"].append(rest_level(host_port, full, True, c, target, d, args.full_processes, model=model))
+        if full_json:
+            out["rest_full"].append(rest_level(host_port, full, False, 1, target, d, model=model))
+    if wanted(args, "rest_batch1"):
+        for binary in (True, False):
+            out["rest_batch1"].append(rest_level(host_port, one, binary, 64, target, d, args.processes, model=model))
 
 
 def cuda_rows(args, out: dict[str, list[LevelResult]], url: str, full: np.ndarray, notes: list[str], target: str,
@@ -146,18 +158,20 @@ def cuda_rows(args, out: dict[str, list[LevelResult]], url: str, full: np.ndarra
     d, load = args.duration, (args.processes, args.connections)
     one = full[:1].copy()
     try:
-        payload, cleanup = setup_cuda_shared_memory(url, full, "FP32", model)
-        try:
-            for c in args.full_concurrency:
-                out["cuda_shm"].append(level(url, payload, args.batch, full.nbytes, c, target, d, fp, connections,
-                                             model=model))
-        finally:
-            cleanup()
-        payload, cleanup = setup_cuda_shared_memory(url, one, "FP32", model)
-        try:
-            out["cuda_shm_batch1"].append(level(url, payload, 1, one.nbytes, 64, target, d, *load, model=model))
-        finally:
-            cleanup()
+        if wanted(args, "cuda_shm"):
+            payload, cleanup = setup_cuda_shared_memory(url, full, "FP32", model)
+            try:
+                for c in args.full_concurrency:
+                    out["cuda_shm"].append(level(url, payload, args.batch, full.nbytes, c, target, d, fp, connections,
+                                                 model=model))
+            finally:
+                cleanup()
+        if wanted(args, "cuda_shm_batch1"):
+            payload, cleanup = setup_cuda_shared_memory(url, one, "FP32", model)
+            try:
+                out["cuda_shm_batch1"].append(level(url, payload, 1, one.nbytes, 64, target, d, *load, model=model))
+            finally:
+                cleanup()
     except Exception as exc:  # no GPU, no CUDA IPC, no cuda-bindings here: the other rows are still worth their report
         traceback.print_exc()
         notes.append(f"{target}: no CUDA shared-memory rows ({type(exc).__name__}: {str(exc).splitlines()[0]})")
@@ -181,17 +195,19 @@ def triton_rows(args, out: dict[str, list[LevelResult]], full: np.ndarray, notes
             fp32 = build_request(full, m32, "FP32").SerializeToString()
             fp16 = build_request(full, m16, "FP16").SerializeToString()
             single = build_request(one, m32, "FP32").SerializeToString()
-            for c in args.full_concurrency:
+            for c in args.full_concurrency if wanted(args, "full") else ():
                 out["full"].append(level(triton.url, fp32, args.batch, n32, c, TRITON, d, fp, model=m32))
-            for c in args.full_concurrency:
+            for c in args.full_concurrency if wanted(args, "fp16") else ():
                 out["fp16"].append(level(triton.url, fp16, args.batch, n16, c, TRITON, d, fp, model=m16))
-            payload, cleanup = setup_shared_memory(triton.url, full, "FP32", m32)
-            try:
-                for c in args.full_concurrency:
-                    out["shm"].append(level(triton.url, payload, args.batch, n32, c, TRITON, d, fp, model=m32))
-            finally:
-                cleanup()
-            out["batch1"].append(level(triton.url, single, 1, n1, 64, TRITON, d, *load, model=m32))
+            if wanted(args, "shm"):
+                payload, cleanup = setup_shared_memory(triton.url, full, "FP32", m32)
+                try:
+                    for c in args.full_concurrency:
+                        out["shm"].append(level(triton.url, payload, args.batch, n32, c, TRITON, d, fp, model=m32))
+                finally:
+                    cleanup()
+            if wanted(args, "batch1"):
+                out["batch1"].append(level(triton.url, single, 1, n1, 64, TRITON, d, *load, model=m32))
             if args.device != "cpu":
                 cuda_rows(args, out, triton.url, full, notes, TRITON, model=m32)
             rest_rows(args, out, triton.http_url, full, TRITON, model=m32)
@@ -218,31 +234,35 @@ def frontend_configurations(args) -> list[tuple[str, int, list[str]]]:
     return configurations
 
 
-def frontend_rows(args, out: dict[str, list[LevelResult]], serve: list[str], fe: str, frontends: int,
-                  flags: list[str], payloads: tuple, notes: list[str]) -> None:
-    """The rows of voxserve with ``frontends`` front ends (and ``flags``), named ``fe``, with and without batching."""
+def voxserve_rows(args, out: dict[str, list[LevelResult]], serve: list[str], name: str, payloads: tuple,
+                  notes: list[str], spread: int = 1, full_json: bool = True) -> None:
+    """The rows of one voxserve configuration (``voxserve serve`` with ``serve``), named ``name``, with and without
+    batching (only batch 1 without), the full-batch levels over ``spread`` connections; only the tables asked for
+    (--tables), and a server only where one of its tables is."""
     fp = args.full_processes  # load processes of the full-batch levels
     full, fp32, fp16, single, n32, n16, n1 = payloads
     d, load = args.duration, (args.processes, args.connections)
-    spread = max(4, frontends)  # connections, so that every front end gets some
-    flags = ["--frontends", str(frontends), *flags]
-    with ServerProcess([*serve, *flags]) as vox:
-        for c in args.full_concurrency:
-            out["full"].append(level(vox.url, fp32, args.batch, n32, c, fe, d, fp, spread))
-        for c in args.full_concurrency:
-            out["fp16"].append(level(vox.url, fp16, args.batch, n16, c, fe, d, fp, spread))
-        payload, cleanup = setup_shared_memory(vox.url, full, "FP32", "voxnet")
-        try:
-            for c in args.full_concurrency:
-                out["shm"].append(level(vox.url, payload, args.batch, n32, c, fe, d, fp, spread))
-        finally:
-            cleanup()
-        out["batch1"].append(level(vox.url, single, 1, n1, 64, fe, d, *load))
-        rest_rows(args, out, f"127.0.0.1:{vox.http_port}", full, fe, full_json=False)
-        if args.device != "cpu":  # the engines map the regions
-            cuda_rows(args, out, vox.url, full, notes, fe, connections=spread)
-    with ServerProcess([*serve, *flags, "--no-batching"]) as vox:
-        out["batch1"].append(level(vox.url, single, 1, n1, 64, f"{fe}, no batching", d, *load))
+    if wanted(args, *TITLES):
+        with ServerProcess(serve) as vox:
+            for c in args.full_concurrency if wanted(args, "full") else ():
+                out["full"].append(level(vox.url, fp32, args.batch, n32, c, name, d, fp, spread))
+            for c in args.full_concurrency if wanted(args, "fp16") else ():
+                out["fp16"].append(level(vox.url, fp16, args.batch, n16, c, name, d, fp, spread))
+            if wanted(args, "shm"):
+                payload, cleanup = setup_shared_memory(vox.url, full, "FP32", "voxnet")
+                try:
+                    for c in args.full_concurrency:
+                        out["shm"].append(level(vox.url, payload, args.batch, n32, c, name, d, fp, spread))
+                finally:
+                    cleanup()
+            if wanted(args, "batch1"):
+                out["batch1"].append(level(vox.url, single, 1, n1, 64, name, d, *load))
+            rest_rows(args, out, f"127.0.0.1:{vox.http_port}", full, name, full_json=full_json)
+            if args.device != "cpu":  # (with front ends, the engines map the regions)
+                cuda_rows(args, out, vox.url, full, notes, name, connections=spread)
+    if wanted(args, "batch1"):
+        with ServerProcess([*serve, "--no-batching"]) as vox:
+            out["batch1"].append(level(vox.url, single, 1, n1, 64, f"{name}, no batching", d, *load))
 
 
 def run(args, notes: list[str], checkpoint: Callable[[dict[str, list[LevelResult]]], None]
@@ -259,45 +279,32 @@ def run(args, notes: list[str], checkpoint: Callable[[dict[str, list[LevelResult
     payloads = (full, fp32, fp16, single, n32, n16, n1)
     d = args.duration
     load = (args.processes, args.connections)  # the batch-1 client, the same for every server
-    out: dict[str, list[LevelResult]] = {"full": [], "fp16": [], "shm": [], "cuda_shm": [], "batch1": [],
-                                         "cuda_shm_batch1": [], "rest_full": [], "rest_batch1": []}
-    with raw_sink() as sink:
-        for c in args.full_concurrency:
-            out["full"].append(level(sink, fp32, args.batch, n32, c, "raw sink", d, fp))
+    out: dict[str, list[LevelResult]] = {key: [] for key in TITLES if wanted(args, key)}
+    if wanted(args, "full"):
+        with raw_sink() as sink:
+            for c in args.full_concurrency:
+                out["full"].append(level(sink, fp32, args.batch, n32, c, "raw sink", d, fp))
     # --max-json-bytes: the full batch as JSON (~130 MB) is a row of its own; the default (16 MiB) refuses it.
     serve = ["--device", args.device, "--max-message-bytes", str(512 * 1024 * 1024), "--max-json-bytes",
              str(256 * 1024 * 1024)]
-    with ServerProcess(serve) as vox:
-        for c in args.full_concurrency:
-            out["full"].append(level(vox.url, fp32, args.batch, n32, c, "voxserve", d, fp))
-        for c in args.full_concurrency:
-            out["fp16"].append(level(vox.url, fp16, args.batch, n16, c, "voxserve", d, fp))
-        payload, cleanup = setup_shared_memory(vox.url, full, "FP32", "voxnet")
-        try:
-            for c in args.full_concurrency:
-                out["shm"].append(level(vox.url, payload, args.batch, n32, c, "voxserve", d, fp))
-        finally:
-            cleanup()
-        out["batch1"].append(level(vox.url, single, 1, n1, 64, "voxserve", d, *load))
-        rest_rows(args, out, f"127.0.0.1:{vox.http_port}", full, "voxserve")
-        if args.device != "cpu":
-            cuda_rows(args, out, vox.url, full, notes, "voxserve")
-    with ServerProcess([*serve, "--no-batching"]) as vox:
-        out["batch1"].append(level(vox.url, single, 1, n1, 64, "voxserve, no batching", d, *load))
+    voxserve_rows(args, out, serve, "voxserve", payloads, notes)
     checkpoint(out)
     for name, frontends, flags in frontend_configurations(args):
-        frontend_rows(args, out, serve, name, frontends, flags, payloads, notes)
+        # over at least 4 connections, so that every front end gets some of the full-batch levels
+        voxserve_rows(args, out, [*serve, "--frontends", str(frontends), *flags], name, payloads, notes,
+                      spread=max(4, frontends), full_json=False)
         checkpoint(out)
     if args.triton:
         triton_rows(args, out, full, notes, checkpoint)
         checkpoint(out)
     else:
         notes.append(f"{TRITON}: not run (--triton not given)")
-    if args.mlserver_python or args.mlserver_pythonpath:
+    if (args.mlserver_python or args.mlserver_pythonpath) and wanted(args, "full", "batch1"):
         with mlserver(args.mlserver_python or sys.executable, args.mlserver_pythonpath) as url:
-            for c in args.full_concurrency:
+            for c in args.full_concurrency if wanted(args, "full") else ():
                 out["full"].append(level(url, fp32, args.batch, n32, c, "MLServer", d, fp))
-            out["batch1"].append(level(url, single, 1, n1, 64, "MLServer", d, *load))
+            if wanted(args, "batch1"):
+                out["batch1"].append(level(url, single, 1, n1, 64, "MLServer", d, *load))
     return out
 
 
@@ -316,13 +323,9 @@ def render(args, out: dict[str, list[LevelResult]], device: str, seconds: float,
              f"- requests: ({args.batch}, {', '.join(map(str, SAMPLE))}) for the full batch, (1, "
              f"{', '.join(map(str, SAMPLE))}) for batch 1; {args.duration:.0f} s per level",
              *(f"- {note}" for note in notes), ""]
-    titles = {"full": "Full batch, FP32 over gRPC", "fp16": "Full batch, FP16 on the wire",
-              "shm": "Full batch in system shared memory", "batch1": "Batch 1 at concurrency 64",
-              "rest_full": "Full batch, FP32 over REST", "rest_batch1": "Batch 1 over REST at concurrency 64",
-              "cuda_shm": "Full batch in CUDA shared memory (the client's GPU memory)",
-              "cuda_shm_batch1": "Batch 1 in CUDA shared memory at concurrency 64"}
-    for key, rows in out.items():
-        lines += [f"## {titles[key]}", "", "| target | conc | req/s | samples/s | tensor MB/s | p50 ms | p90 ms | "
+    tables, out = out, {key: out.get(key, []) for key in TITLES}  # (the targets read every table: empty if not run)
+    for key, rows in tables.items():
+        lines += [f"## {TITLES[key]}", "", "| target | conc | req/s | samples/s | tensor MB/s | p50 ms | p90 ms | "
                   "p99 ms | errors |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
         for r in rows:
             lines.append(f"| {r.target} | {r.concurrency} | {r.rps:.1f} | {r.rps * r.samples_per_request:.0f} | "
@@ -390,11 +393,11 @@ def render(args, out: dict[str, list[LevelResult]], device: str, seconds: float,
         cuda_1, wire_1 = _best(out["cuda_shm_batch1"], server), b1.get(server)
         target(f"batch 1 at c=64: CUDA shared memory vs the wire, {where}", ratio(cuda_1, wire_1), 3.0, ">= 3x",
                f"{cuda_1.rps:.0f} vs {wire_1.rps:.0f} req/s" if cuda_1 and wire_1 else "")
-    for key in out:
+    for key in tables:
         rest = key.startswith("rest")
         ours = best(key, tuple(f"{t}, REST binary" for t in voxserve_targets) if rest else voxserve_targets)
         theirs = _best(out[key], f"{TRITON}, REST binary" if rest else TRITON)
-        target(f"vs Triton, {titles[key][0].lower()}{titles[key][1:]}", ratio(ours, theirs), 1.0, "> 1x",
+        target(f"vs Triton, {TITLES[key][0].lower()}{TITLES[key][1:]}", ratio(ours, theirs), 1.0, "> 1x",
                strict=True)
     return "\n".join(lines) + "\n"
 
@@ -425,8 +428,14 @@ def main() -> int:
     parser.add_argument("--triton-instances", type=int, default=2, help="Triton model instances per model")
     parser.add_argument("--commit", default=None, help="the commit measured, for the report (default: "
                         "$VOXSERVE_COMMIT, else git's HEAD here)")
+    parser.add_argument("--tables", type=lambda t: t.split(","), default=None,
+                        help=f"only these tables (comma-separated: {','.join(TITLES)}; default every one): the "
+                        "levels of the others are not run, nor a server none of whose tables is asked for")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
+    if args.tables is not None and not set(args.tables) <= set(TITLES):
+        parser.error(f"--tables: unknown table(s) {', '.join(sorted(set(args.tables) - set(TITLES)))}; the tables: "
+                     f"{', '.join(TITLES)}")
     # SIGTERM (a time limit) unwinds like Ctrl-C: every server started so far is stopped on the way out.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     t0 = time.perf_counter()

@@ -91,3 +91,44 @@ def test_front_end_configurations_name_their_engines(service_bench):
     two = argparse.Namespace(frontends=12, native_frontends=0, engines=2)
     assert service_bench.frontend_configurations(two) == [
         ("voxserve --frontends 12, 2 engines", 12, ["--replicas", "2"])]
+
+
+def test_tables_runs_only_the_levels_of_the_tables_asked_for(service_bench, monkeypatch):
+    """--tables cuda_shm_batch1,batch1: batch-1 levels on the wire and in CUDA shared memory, in process and through
+    front ends, with and without batching; no raw sink, no full-batch level, no REST, no system shared memory; the
+    report holds those two tables only."""
+    import contextlib
+
+    levels, servers = [], []
+
+    @contextlib.contextmanager
+    def server(flags):
+        servers.append(flags)
+        yield argparse.Namespace(url="127.0.0.1:1", http_port=2)
+
+    def level(url, payload, samples, tensor_bytes, concurrency, target, *rest, **options):
+        levels.append((target, samples, concurrency))
+        return _row(target, 100, samples, concurrency)
+
+    def refused(*args, **kwargs):
+        raise AssertionError("not asked for")
+
+    monkeypatch.setattr(service_bench, "ServerProcess", server)
+    monkeypatch.setattr(service_bench, "level", level)
+    monkeypatch.setattr(service_bench, "setup_cuda_shared_memory", lambda *a: (b"request", lambda: None))
+    for name in ("raw_sink", "setup_shared_memory", "rest_level", "mlserver"):
+        monkeypatch.setattr(service_bench, name, refused)
+    args = argparse.Namespace(batch=128, duration=1.0, frontends=0, native_frontends=4, engines=2, commit=None,
+                              device="auto", full_concurrency=[1, 16], processes=1, full_processes=1, connections=1,
+                              triton=None, mlserver_python=None, mlserver_pythonpath=None,
+                              tables=["cuda_shm_batch1", "batch1"])
+    out = service_bench.run(args, [], lambda rows: None)
+    native = "voxserve --frontends 4, native, 2 engines"
+    assert levels == [("voxserve", 1, 64), ("voxserve", 1, 64), ("voxserve, no batching", 1, 64),
+                      (native, 1, 64), (native, 1, 64), (f"{native}, no batching", 1, 64)]
+    assert len(servers) == 4 and sum("--no-batching" in flags for flags in servers) == 2
+    assert list(out) == ["batch1", "cuda_shm_batch1"]
+    text = service_bench.render(args, out, "test GPU", 1.0, [])
+    assert [line for line in text.splitlines() if line.startswith("## ")] == [
+        "## Batch 1 at concurrency 64", "## Batch 1 in CUDA shared memory at concurrency 64", "## Against the targets"]
+    assert _targets(text)["full-batch FP32 vs raw gRPC ceiling"] == ("-", "not measured")
