@@ -98,6 +98,7 @@ def profile(pids: dict[int, str], url: str, bench_args: list[str], lead_s: float
     """py-spy on each server process for ``seconds``, starting ``lead_s`` after a longer load run is launched
     (its processes start and meet first); the innermost frames of each, and the raw profiles in keep_dir."""
     py_spy = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
+    pids = {pid: label for pid, label in pids.items() if not label.startswith("native")}  # (C++: no Python frames)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         client = subprocess.Popen(bench_command(url, [*bench_args, "--duration", str(lead_s + seconds + 3)]),
@@ -126,9 +127,9 @@ def profile(pids: dict[int, str], url: str, bench_args: list[str], lead_s: float
 
 def top_frames(path: Path, n: int = 12) -> list[str]:
     own, total = Counter(), 0
-    for line in path.read_text().splitlines():
+    for line in path.read_text(errors="replace").splitlines():
         stack, _, count = line.rpartition(" ")
-        if stack:
+        if stack and count.isdigit():
             own[stack.split(";")[-1]] += int(count)
             total += int(count)
     return [f"{c / total:.0%} {frame}" for frame, c in own.most_common(n)] if total else []
@@ -154,7 +155,7 @@ def split_by_owner(path: Path) -> list[str]:
     """The shares of a raw py-spy profile by OWNERS (innermost matching rule over the stack's frames wins for the
     specific owners; a stack none of them claims is gRPC's and asyncio's)."""
     shares, total = Counter(), 0
-    for line in path.read_text().splitlines():
+    for line in path.read_text(errors="replace").splitlines():
         stack, _, count = line.rpartition(" ")
         if not stack or not count.isdigit():
             continue
