@@ -21,6 +21,7 @@ import statistics
 import sys
 from pathlib import Path
 
+import provenance  # bench/ (this script's folder)
 import torch
 
 from voxserve.kernels import cuda as cuda_kernels
@@ -85,6 +86,8 @@ def main(argv=None) -> int:
     parser.add_argument("--variants", default="0", help="comma-separated kernel variants to time (0 = default; "
                         f"others: {','.join(map(str, cuda_kernels.VARIANTS))})")
     parser.add_argument("--shapes", default=None, help="N,C,D,H,W;... (default: the four benchmark shapes)")
+    parser.add_argument("--commit", default=None, help="the commit measured, for the report (default: "
+                        "$VOXSERVE_COMMIT, else git's HEAD here)")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("kernel_bench needs a CUDA GPU", file=sys.stderr)
@@ -177,6 +180,7 @@ def main(argv=None) -> int:
         f"# Kernel benchmark on {name}\n\n"
         f"- date: {datetime.datetime.now(datetime.timezone.utc).strftime('%Y-%m-%d %H:%M UTC')}\n"
         f"- command: `python bench/kernel_bench.py {' '.join(argv or sys.argv[1:])}`\n"
+        f"- commit: {provenance.commit(args.commit)}\n"
         f"- device: {name}, {props.multi_processor_count} SMs, max SM clock {clock / 1e9:.2f} GHz, "
         f"measured copy bandwidth {bw / 1e12:.2f} TB/s (read + write)\n"
         f"- software: torch {torch.__version__}, CUDA {torch.version.cuda}, Python {platform.python_version()}\n"
