@@ -308,12 +308,31 @@ def run(args, notes: list[str], checkpoint: Callable[[dict[str, list[LevelResult
     return out
 
 
+def h2d_rate(args, nbytes: int, seconds: float = 2.0) -> float | None:
+    """GB/s of host-to-device copies of ``nbytes`` from pinned memory on GPU 0 (bench/probes/h2d_probe.py's loop),
+    the ceiling the system shared-memory rows are held to; None without a GPU (or with --device cpu), or if the
+    system shared-memory table is not asked for."""
+    if args.device == "cpu" or not wanted(args, "shm"):
+        return None
+    try:
+        import torch
+        from probes.h2d_probe import copy_loop  # bench/probes/
+    except ImportError:
+        return None
+    if not torch.cuda.is_available():
+        return None
+    out: dict[int, float] = {}
+    copy_loop(0, torch.empty(nbytes // 4, dtype=torch.float32).pin_memory(), seconds, out)
+    return out[0]
+
+
 def _best(rows: list[LevelResult], target: str) -> LevelResult | None:
     rows = [r for r in rows if r.target == target and r.requests]
     return max(rows, key=lambda r: r.rps) if rows else None
 
 
-def render(args, out: dict[str, list[LevelResult]], device: str, seconds: float, notes: list[str]) -> str:
+def render(args, out: dict[str, list[LevelResult]], device: str, seconds: float, notes: list[str],
+           h2d_gb_s: float | None = None) -> str:
     now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     lines = [f"# Service benchmark: {device}", "",
              f"- date: {now}; {os.cpu_count()} CPU cores, Python {platform.python_version()}; client and servers on "
@@ -386,6 +405,10 @@ def render(args, out: dict[str, list[LevelResult]], device: str, seconds: float,
     shm_best = best("shm", voxserve_targets)
     target("system shared memory, full batch", shm_best.rps if shm_best else None, 1600, ">= 1,600 req/s",
            f"p99 {shm_best.percentile(99):.1f} ms" if shm_best else "", unit="req/s")
+    shm_gb_s = shm_best.rps * shm_best.request_bytes / 1e9 if shm_best else None
+    target("system shared memory, full batch, vs the host-to-device copy rate from pinned memory (this run)",
+           shm_gb_s / h2d_gb_s if shm_gb_s is not None and h2d_gb_s else None, 0.75, ">= 75 %",
+           f"{shm_gb_s:.1f} of {h2d_gb_s:.1f} GB/s" if shm_gb_s is not None and h2d_gb_s else "", unit="%")
     cuda_best = best("cuda_shm", voxserve_targets)
     target("CUDA shared memory, full batch", cuda_best.rps if cuda_best else None, 5000, ">= 5,000 req/s",
            f"{cuda_best.target}, p99 {cuda_best.percentile(99):.1f} ms" if cuda_best else "", unit="req/s")
@@ -444,8 +467,11 @@ def main() -> int:
     def checkpoint(rows: dict[str, list[LevelResult]]) -> None:  # a report so far, should the run be cut short
         if args.out:
             Path(args.out).write_text(render(args, rows, "unfinished run", time.perf_counter() - t0,
-                                             [*notes, "unfinished: written before every server had run"]))
+                                             [*notes, "unfinished: written before every server had run"], h2d))
 
+    h2d = h2d_rate(args, args.batch * int(np.prod(SAMPLE)) * 4)  # before any server: the GPU is idle
+    if h2d is not None:
+        notes.append(f"host-to-device copies of one full batch from pinned memory, GPU 0 alone: {h2d:.1f} GB/s")
     out = run(args, notes, checkpoint)
     try:
         import torch
@@ -454,7 +480,7 @@ def main() -> int:
             f"CPU ({platform.processor() or platform.machine()})"
     except ImportError:
         device = "unknown"
-    text = render(args, out, device, time.perf_counter() - t0, notes)
+    text = render(args, out, device, time.perf_counter() - t0, notes, h2d)
     print(text)
     if args.out:
         Path(args.out).write_text(text)

@@ -42,7 +42,7 @@ def test_the_report_says_which_targets_the_rows_meet(service_bench):
     out["cuda_shm"] += [_row("voxserve", 4000, 128, 1), _row("voxserve", 5200, 128, 4), _row("Triton", 300, 128, 4)]
     out["batch1"] += [_row("voxserve", 10000, 1, 64), _row("Triton", 6000, 1, 64)]
     out["cuda_shm_batch1"] += [_row("voxserve", 25000, 1, 64), _row("Triton", 30000, 1, 64)]
-    text = service_bench.render(args, out, "test GPU", 10.0, [])
+    text = service_bench.render(args, out, "test GPU", 10.0, [], h2d_gb_s=50.0)
     assert "- commit: abc1234\n" in text  # as given (a device's copy of the tree has older git metadata)
     assert "## Full batch in CUDA shared memory (the client's GPU memory)" in text
     cuda_table = text.split("## Full batch in CUDA shared memory", 1)[1].split("##", 1)[0]
@@ -54,6 +54,9 @@ def test_the_report_says_which_targets_the_rows_meet(service_bench):
     assert targets["vs Triton, full batch in CUDA shared memory (the client's GPU memory)"] == ("17.33x", "met")
     assert targets["vs Triton, batch 1 in CUDA shared memory at concurrency 64"] == ("0.83x", "missed")
     assert targets["system shared memory, full batch"][1] == "met"
+    # 1,700 full batches a second are 42.8 GB/s: 86 % of the copy engine's rate measured in the run
+    assert targets["system shared memory, full batch, vs the host-to-device copy rate from pinned memory (this run)"] \
+        == ("86% (42.8 of 50.0 GB/s)", "met")
     assert targets["vs Triton, full batch in system shared memory"][1] == "met"
     assert targets["full-batch FP32 vs raw gRPC ceiling"] == ("95% (95.0 vs 100.0 req/s)", "met")
     assert targets["FP16 vs FP32 samples/s"] == ("-", "not measured")
@@ -79,6 +82,8 @@ def test_the_shared_memory_targets_take_the_front_ends_rows_too(service_bench):
     assert targets[f"batch 1 at c=64: CUDA shared memory vs the wire, `{fe}, native`"] == ("-", "not measured")
     assert targets["batch 1 at c=64, in process"] == ("1,600 req/s (p99 3.0 ms)", "missed")
     assert targets["batch 1 at c=64, through front ends"] == (f"17,000 req/s ({fe}, native, p99 3.0 ms)", "met")
+    assert targets["system shared memory, full batch, vs the host-to-device copy rate from pinned memory (this run)"] \
+        == ("-", "not measured")  # (no copy rate measured: no GPU, or no system shared-memory rows)
 
 
 def test_front_end_configurations_name_their_engines(service_bench):
