@@ -6,6 +6,7 @@ Input bytes are viewed, not copied: ``np.frombuffer`` over the request's bytes.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -17,7 +18,8 @@ from voxserve.datatypes import INPUT_DATATYPES, ITEMSIZE, WIRE_DTYPE
 from voxserve.proto import pb
 
 from ..core.devicemem import DeviceArray, RegionTensor
-from ..core.errors import exhausted, invalid, not_found, shown, unimplemented
+from ..core.errors import ServingError, exhausted, invalid, not_found, shown, unimplemented
+from .cudashm import MAP_ROUNDS, NotMappedHere
 
 if TYPE_CHECKING:
     from .cudashm import Lease
@@ -144,31 +146,21 @@ def shared_memory_input_bytes(request: pb.ModelInferRequest, shm=None) -> int | 
             if ref is None:
                 return 0
             if shm is not None and shm.cuda is not None and shm.cuda.holds(ref.region):
-                # Nothing to copy; 0 (decoded off the event loop, budgeting nothing) while it is yet to be mapped here,
-                # or while the CUDA region its output goes to is (the execution writes it there: decoding leases it)
-                return None if shm.cuda.opened(ref.region) and _output_mapped(request, shm.cuda) else 0
+                return None  # nothing to copy (decoded with open_here=False: a region not mapped here yet is mapped
+                # on the registry's thread first, by the caller)
             return ref.byte_size or 0
     return None
 
 
-def _output_mapped(request: pb.ModelInferRequest, cuda) -> bool:
-    """Whether the request's output, if it goes to a CUDA region, goes to one mapped in this process (a malformed
-    output is decode_request's to refuse)."""
-    if not request.outputs or REGION_PARAM not in request.outputs[0].parameters:
-        return True
-    region = request.outputs[0].parameters[REGION_PARAM]
-    if region.WhichOneof("parameter_choice") != "string_param":
-        return True
-    return not cuda.holds(region.string_param) or cuda.opened(region.string_param)
-
-
 def decode_request(request: pb.ModelInferRequest, spec: ModelSpec, shm=None,
-                   raw_contents: Sequence[bytes | memoryview] | None = None) -> InferInput:
+                   raw_contents: Sequence[bytes | memoryview] | None = None, open_here: bool = True) -> InferInput:
     """Validate ``request`` against the model and return its input as an array (a zero-copy view of
     raw bytes; a private copy of system shared memory; for CUDA shared memory the tensor where it lies, a
     ``DeviceArray``). ``shm``: the SharedMemoryRegistry, if the server has one (with its CUDA regions,
     ``shm.cuda``, if it has those).
-    ``raw_contents``: the raw tensor bytes when they were kept out of the message (server/protocol/wire.py)."""
+    ``raw_contents``: the raw tensor bytes when they were kept out of the message (server/protocol/wire.py).
+    ``open_here`` false (on an event loop): a CUDA region not mapped in this process yet raises NotMappedHere, and
+    nothing is held; the caller maps it off the loop (``map_here``) and decodes again."""
     if raw_contents is None:
         raw_contents = request.raw_input_contents
     check_model(spec.name, spec.version, request.model_name, request.model_version)
@@ -226,9 +218,9 @@ def decode_request(request: pb.ModelInferRequest, spec: ModelSpec, shm=None,
                           f"'{SIZE_PARAM}' is {input_shm.byte_size}")
         if shm.cuda is not None and shm.cuda.holds(input_shm.region):  # read where it lies: no copy
             array, lease = shm.cuda.read(input_shm.region, input_shm.offset, shape, WIRE_DTYPE[datatype],
-                                         f"input '{INPUT_NAME}'")
+                                         f"input '{INPUT_NAME}'", open_here)
             try:
-                array, output_lease = _output_on_device(array, output_shm, shm.cuda, spec.cout)
+                array, output_lease = _output_on_device(array, output_shm, shm.cuda, spec.cout, open_here)
             except BaseException:
                 if lease is not None:
                     lease.release()
@@ -267,7 +259,25 @@ def decode_request(request: pb.ModelInferRequest, spec: ModelSpec, shm=None,
     return InferInput(np.asarray(values, dtype=np.float32).reshape(shape), datatype, True, output_shm)
 
 
-def _output_on_device(array, output: SharedMemoryRef | None, cuda, cout: int):
+async def decode_mapped(request: pb.ModelInferRequest, spec: ModelSpec, shm=None,
+                        raw_contents: Sequence[bytes | memoryview] | None = None) -> InferInput:
+    """decode_request on an event loop, which never opens a CUDA handle: a region another replica registered and
+    this process has not mapped yet is mapped on the registry's opening thread (``map_here``), then the request is
+    decoded again; refused once it was registered anew MAP_ROUNDS times while it was being mapped. A region that
+    does not open is refused by the decode after it, in the request's words, without opening it again."""
+    rounds = 0
+    while True:
+        try:
+            return decode_request(request, spec, shm, raw_contents, open_here=False)
+        except NotMappedHere as missing:
+            if rounds == MAP_ROUNDS:
+                raise missing.remapped_too_often() from None
+            rounds += 1
+            with contextlib.suppress(ServingError):
+                await shm.cuda.map_here(missing.name, "a request's tensor")
+
+
+def _output_on_device(array, output: SharedMemoryRef | None, cuda, cout: int, open_here: bool = True):
     """The input, and the output's lease: where the input lies in CUDA memory and the output goes to a CUDA region on
     the same device, the input with that span as its ``result``, whose output the execution writes there on the
     device (a DeviceArray here: ``attach_result``; or, in a front end, a RegionTensor naming the output region for
@@ -278,8 +288,8 @@ def _output_on_device(array, output: SharedMemoryRef | None, cuda, cout: int):
         return array, None
     what = f"output '{OUTPUT_NAME}'"
     if isinstance(array, DeviceArray):
-        return array, cuda.attach_result(array, output.region, output.offset, cout, what)
-    target, _ = cuda.read(output.region, output.offset, (array.shape[0], cout), np.dtype("<f4"), what)
+        return array, cuda.attach_result(array, output.region, output.offset, cout, what, open_here)
+    target, _ = cuda.read(output.region, output.offset, (array.shape[0], cout), np.dtype("<f4"), what, open_here)
     if isinstance(target, RegionTensor) and array.kind == target.kind == "cuda" and target.device_id == array.device_id:
         return dataclasses.replace(array, result=(target.region, target.offset)), None
     return array, None

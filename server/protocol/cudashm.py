@@ -55,6 +55,8 @@ from .shm import _NAME, SharedMemoryRegistry, sync_all
 
 log = logging.getLogger(__name__)
 KIND = "cuda"  # a record's "kind" (system regions' records have none)
+# How many times one request maps a region in this process before it is refused (it was registered anew each time).
+MAP_ROUNDS = 3
 FOREIGN = "foreign"  # _read_record's answer for a record of a system region
 
 
@@ -106,6 +108,11 @@ class NotMappedHere(Exception):
     def __init__(self, name: str) -> None:
         super().__init__(name)
         self.name = name
+
+    def remapped_too_often(self) -> ServingError:
+        """The answer once a request has mapped the region MAP_ROUNDS times and it is still not mapped here."""
+        return ServingError(Status.UNAVAILABLE, f"CUDA shared-memory region {self.name!r} was registered again while "
+                                                f"this server mapped it; retry")
 
 
 class CudaSharedMemoryRegistry:
@@ -268,7 +275,8 @@ class CudaSharedMemoryRegistry:
                                                           lambda: self.lease(name, 0, 0, what).release())
 
     def opened(self, name: str) -> bool:
-        """Whether region ``name`` is mapped in this process (else its first use here opens it: off the loop)."""
+        """Whether region ``name`` is mapped in this process now (its status; the request path does not ask it first,
+        which would race a registration anew: a read with open_here=False says so itself)."""
         with self._locked():
             region = self._regions.get(name)
             return region is not None and region.mapping is not None
@@ -310,10 +318,10 @@ class CudaSharedMemoryRegistry:
             lease.release()
         return None
 
-    def write(self, name: str, offset: int, data: bytes, what: str) -> None:
+    def write(self, name: str, offset: int, data: bytes, what: str, open_here: bool = True) -> None:
         """Copy ``data`` to ``offset`` of region ``name`` (an output), complete when this returns. Errors as
         ``lease``'s; a copy the device refuses is INTERNAL, naming CUDA's error."""
-        lease = self.lease(name, offset, len(data), what)
+        lease = self.lease(name, offset, len(data), what, open_here)
         try:
             self.devices.write(lease.address, data, lease.device)
         except DeviceMemoryError as exc:
@@ -326,9 +334,9 @@ class CudaSharedMemoryRegistry:
     async def store(self, name: str, offset: int, data: bytes, what: str) -> None:
         """``write``, for the inference path (a front end's registry sends it to the engine instead); off the event
         loop when the region is yet to be opened in this process (a blocking open, and the handle's check)."""
-        if self.opened(name):
-            self.write(name, offset, data, what)
-        else:
+        try:
+            self.write(name, offset, data, what, open_here=False)
+        except NotMappedHere:
             await asyncio.to_thread(self.write, name, offset, data, what)
 
     def _open_here(self, region: CudaRegion, what: str) -> Mapping:

@@ -327,7 +327,7 @@ class InferenceService:
                         self.shm_budget.release(held)  # no copy to bound
                         held = 0
                 else:
-                    decoded = codec.decode_request(request, spec, self.shm, parsed.raw)
+                    decoded = await codec.decode_mapped(request, spec, self.shm, parsed.raw)
                 m.input_bytes[decoded.path].inc(decoded.array.nbytes)
                 decoded_ns = time.perf_counter_ns()
                 waiting = runner.run(decoded.array, decoded.datatype, timeout_s)

@@ -41,7 +41,7 @@ from ..core.inprocess import build_models, load_weights
 from ..core.runner import Runner
 from ..core.stats import ModelStats
 from ..metrics import Metrics, latency_buckets
-from ..protocol.cudashm import CudaSharedMemoryRegistry, Lease, NotMappedHere
+from ..protocol.cudashm import MAP_ROUNDS, CudaSharedMemoryRegistry, Lease, NotMappedHere
 from ..protocol.shm import SharedMemoryRegistry
 from ..settings import Settings
 from . import ipc
@@ -50,8 +50,6 @@ log = logging.getLogger("voxserve.engine")
 
 # How long after the front ends' grace period the engine waits for them to hang up before it exits anyway.
 DRAIN_MARGIN_S = 5.0
-# How many times one request maps a CUDA region here before it is refused (the region is registered anew each time).
-MAP_ROUNDS = 3
 
 
 class Engine:
@@ -298,9 +296,7 @@ class Engine:
                         lease.release()
                     lease = None
                     if mapped >= MAP_ROUNDS:
-                        raise ServingError(Status.UNAVAILABLE, f"CUDA shared-memory region {missing.name!r} was "
-                                                               f"registered again while this server mapped it; "
-                                                               f"retry") from None
+                        raise missing.remapped_too_often() from None
                     opening = asyncio.create_task(self._map_then(missing.name, record, trailer, arena, pending,
                                                                  outbox, mapped + 1))
                     pending[req_id] = opening

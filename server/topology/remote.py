@@ -343,9 +343,6 @@ class EngineCudaSharedMemory(CudaSharedMemoryRegistry):
             if link is not owner:
                 await self.runner.control(link, {"op": "forget", "name": name})
 
-    def opened(self, name: str) -> bool:
-        return True  # nothing is opened here: a read never blocks
-
     def read(self, name: str, offset: int, shape: tuple[int, ...], dtype: np.dtype, what: str,
              open_here: bool = True) -> tuple[RegionTensor, None]:
         """The tensor by region and offset, once it lies inside the region (the engine checks again when it reads
@@ -361,5 +358,5 @@ class EngineCudaSharedMemory(CudaSharedMemoryRegistry):
         await self.runner.control(self.runner.engine_for(region.device_id),
                                   {"op": "write", "name": name, "offset": offset, "what": what}, data)
 
-    def write(self, name: str, offset: int, data: bytes, what: str) -> None:
+    def write(self, name: str, offset: int, data: bytes, what: str, open_here: bool = True) -> None:
         raise ServingError(Status.INTERNAL, f"{what}: a front end writes CUDA memory through its engine (store)")

@@ -18,7 +18,7 @@ from voxserve.client import Client, InferenceError, SharedMemoryBuffer
 from voxserve.client.client import build_shm_request
 from voxserve.server.core.devicemem import DeviceArray
 from voxserve.server.core.errors import ServingError, Status
-from voxserve.server.protocol.codec import ModelSpec, decode_request, shared_memory_input_bytes
+from voxserve.server.protocol.codec import ModelSpec, decode_mapped, decode_request, shared_memory_input_bytes
 from voxserve.server.protocol.cudashm import CudaSharedMemoryRegistry
 from voxserve.server.protocol.shm import SharedMemoryRegistry
 from voxserve.testing.fake_devicemem import FakeDeviceMemory
@@ -93,10 +93,10 @@ def test_where_the_output_goes(tmp_path):
     assert layer.mapped == 0
 
 
-def test_a_replicas_first_output_into_a_region_beside_an_input_it_maps_decodes_off_the_event_loop(tmp_path):
+def test_a_replicas_first_output_into_a_region_beside_an_input_it_maps_opens_it_off_the_event_loop(tmp_path):
     """In a replica that did not register the output's region, attaching the output to the input opens that region
-    (a blocking open and the handle's check): the request must be decoded off the event loop, as one whose input
-    region is yet to be mapped here is, not inline because its input region is mapped already."""
+    (a blocking open and the handle's check): that open must not run on the event loop, though its input region is
+    mapped here already."""
     layer, _system_a, a = _registries(tmp_path)
     system = SharedMemoryRegistry(shared_dir=str(tmp_path))
     b = CudaSharedMemoryRegistry(layer, 8, system, str(tmp_path))  # another replica, the same host's memory
@@ -111,11 +111,9 @@ def test_a_replicas_first_output_into_a_region_beside_an_input_it_maps_decodes_o
     request = _request("out")
     layer.open_threads.clear()
 
-    async def decode() -> str:  # as InferenceService.infer decides where to decode
-        if shared_memory_input_bytes(request, system) is None:
-            decoded = decode_request(request, SPEC, system)
-        else:
-            decoded = await asyncio.to_thread(decode_request, request, SPEC, system)
+    async def decode() -> str:  # as InferenceService.infer decodes it
+        assert shared_memory_input_bytes(request, system) is None  # (no copy to make: decoded on the loop)
+        decoded = await decode_mapped(request, SPEC, system)
         assert decoded.output_on_device
         decoded.lease.release()
         decoded.output_lease.release()
@@ -123,7 +121,9 @@ def test_a_replicas_first_output_into_a_region_beside_an_input_it_maps_decodes_o
 
     loop_thread = asyncio.run(decode())
     assert layer.open_threads and loop_thread not in layer.open_threads, layer.open_threads
-    assert shared_memory_input_bytes(request, system) is None  # both mapped here now: decoded inline
+    opens = len(layer.open_threads)
+    asyncio.run(decode())  # both mapped here now: nothing opened again
+    assert len(layer.open_threads) == opens
     asyncio.run(a.unregister(""))
 
 

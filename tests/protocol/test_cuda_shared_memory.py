@@ -40,10 +40,11 @@ from voxserve.proto import pb, pb_grpc
 from voxserve.server.app import VoxServer
 from voxserve.server.core.errors import ServingError, Status
 from voxserve.server.core.model import relative_error
-from voxserve.server.protocol.codec import shared_memory_input_bytes
-from voxserve.server.protocol.cudashm import CudaSharedMemoryRegistry
+from voxserve.server.protocol.codec import ModelSpec, decode_request, shared_memory_input_bytes
+from voxserve.server.protocol.cudashm import CudaSharedMemoryRegistry, NotMappedHere
 from voxserve.server.protocol.shm import SharedMemoryRegistry
 from voxserve.server.settings import Settings
+from voxserve.server.topology.roles import REPLICA, Role
 from voxserve.testing.fake_devicemem import FakeDeviceMemory
 
 from ..conftest import ServerThread
@@ -52,6 +53,8 @@ CUDA_MESSAGES = ("CudaSharedMemoryStatusRequest", "CudaSharedMemoryStatusRespons
                  "CudaSharedMemoryRegisterResponse", "CudaSharedMemoryUnregisterRequest",
                  "CudaSharedMemoryUnregisterResponse")
 CUDA_RPCS = ("CudaSharedMemoryStatus", "CudaSharedMemoryRegister", "CudaSharedMemoryUnregister")
+SPEC = ModelSpec("voxnet", "1", 3, 16, 3, 64)
+STANDALONE_ROLE = Role()
 
 
 # --- the protocol ---------------------------------------------------------------------------------------------------
@@ -450,8 +453,9 @@ def test_replicas_share_names_and_open_their_own_mappings(tmp_path):
 
 
 def test_a_replicas_first_use_of_a_region_opens_it_outside_the_lock_and_off_the_event_loop(tmp_path):
-    """In a replica that did not register a region, the first request decodes off the event loop (the open is a
-    blocking CUDA call) and the registry's lock is not held while the handle opens; later ones decode inline."""
+    """In a replica that did not register a region, a request decoded on the event loop opens nothing there (the
+    open is a blocking CUDA call): NotMappedHere, nothing held; the open (map_here's, or a lease's off the loop) does
+    not hold the registry's lock; once mapped, the request decodes there. Nothing is budgeted as a copy either way."""
     fake, a = _registry(shared_dir=str(tmp_path))
     _, b = _registry(shared_dir=str(tmp_path))
     b.devices = fake
@@ -460,7 +464,11 @@ def test_a_replicas_first_use_of_a_region_opens_it_outside_the_lock_and_off_the_
     system = SharedMemoryRegistry(shared_dir=str(tmp_path))
     system.cuda = b
     request = build_shm_request(x.shape, "voxnet", "FP32", "r")
-    assert not b.opened("r") and shared_memory_input_bytes(request, system) == 0  # off the loop, nothing budgeted
+    assert not b.opened("r") and shared_memory_input_bytes(request, system) is None  # nothing to copy
+    opens = fake.opens
+    with pytest.raises(NotMappedHere):
+        decode_request(request, SPEC, system, open_here=False)
+    assert fake.opens == opens and not b.opened("r") and b.status("r")[0].in_use == 0
     locked_while_opening = []
     opening = fake.open
 
@@ -471,8 +479,53 @@ def test_a_replicas_first_use_of_a_region_opens_it_outside_the_lock_and_off_the_
     fake.open = open_and_look
     b.lease("r", 0, 4, "input").release()
     assert locked_while_opening == [False]
-    assert b.opened("r") and shared_memory_input_bytes(request, system) is None  # mapped: inline from now on
+    decoded = decode_request(request, SPEC, system, open_here=False)  # mapped here now: decoded on the loop
+    np.testing.assert_array_equal(np.asarray(decoded.array), x)
+    assert decoded.lease is not None
+    decoded.lease.release()
     asyncio.run(a.unregister(""))
+
+
+def test_a_region_registered_anew_between_a_requests_checks_is_not_opened_on_the_event_loop(tmp_path):
+    """The attack on a replica's check-then-read: the region it has mapped is registered anew (another allocation,
+    through another replica) between the request's first look at it and its decode. The new allocation's handle is
+    opened off the event loop (a blocking CUDA call would stall every request of the replica), and the request reads
+    the new allocation's bytes."""
+    fake = FakeDeviceMemory(2)
+    settings = dataclasses.replace(Settings(host="127.0.0.1", grpc_port=0, http_port=0, metrics_port=-1, device="cpu"),
+                                   max_cuda_shm_regions=4)
+    srv = _FakeLayerServer(settings, fake, Role(kind=REPLICA, run_dir=str(tmp_path)))
+    (tmp_path / "regions").mkdir(exist_ok=True)
+    other = CudaSharedMemoryRegistry(fake, 4, shared_dir=str(tmp_path / "regions"))  # another replica
+    rng = np.random.default_rng()
+    first, second = (rng.standard_normal((1, 3, 3, 3, 3), dtype=np.float32) for _ in range(2))
+    try:
+        assert srv.wait_ready(), srv.server.load_error
+        registry = srv.server.cuda_shm
+        assert registry is not None
+        with Client(srv.url) as client:
+            asyncio.run(other.register("r", fake.export(first.tobytes()), 0, first.nbytes))
+            np.testing.assert_array_equal(client.infer_shared_memory(first.shape, "r"), _infer(srv, first))
+            assert registry.opened("r")  # mapped here by that first request
+            holds, armed = registry.holds, [True]
+
+            def holds_then_registered_anew(name: str) -> bool:
+                held = holds(name)
+                if armed[0] and name == "r":  # just after the request's first look: another allocation, same name
+                    armed[0] = False
+                    _elsewhere(other.unregister("r"))  # (this runs on the server's event loop)
+                    _elsewhere(other.register("r", fake.export(second.tobytes()), 0, second.nbytes))
+                return held
+
+            registry.holds = holds_then_registered_anew
+            fake.open_threads.clear()
+            np.testing.assert_array_equal(client.infer_shared_memory(second.shape, "r"), _infer(srv, second))
+            assert not armed[0] and fake.open_threads and srv._thread.name not in fake.open_threads, \
+                fake.open_threads
+            registry.holds = holds
+    finally:
+        asyncio.run(other.unregister(""))
+        srv.stop()
 
 
 def test_a_replicas_first_output_into_a_region_opens_it_off_the_event_loop(tmp_path):
@@ -499,12 +552,25 @@ def test_a_replicas_first_output_into_a_region_opens_it_off_the_event_loop(tmp_p
 # --- the RPCs over real gRPC, against an in-process server given the fake layer ---------------------------------------
 
 class _FakeLayerServer(ServerThread):
-    def __init__(self, settings, devices) -> None:
-        self.devices = devices
+    def __init__(self, settings, devices, role: Role = STANDALONE_ROLE) -> None:
+        self.devices, self.role = devices, role
         super().__init__(settings)
 
     async def _make(self) -> VoxServer:
-        return VoxServer(self.settings, device_memory=self.devices)
+        return VoxServer(self.settings, self.role, device_memory=self.devices)
+
+
+def _elsewhere(coroutine) -> None:
+    """Run ``coroutine`` to its end on an event loop of its own in another thread, and wait for it."""
+    worker = threading.Thread(target=asyncio.run, args=(coroutine,))
+    worker.start()
+    worker.join(30)
+
+
+def _infer(srv: ServerThread, x: np.ndarray) -> np.ndarray:
+    """The server's answer for ``x`` on the wire."""
+    with Client(srv.url) as client:
+        return client.infer(x)
 
 
 @pytest.fixture(scope="module")
