@@ -5,6 +5,7 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <ctime>
 #include <map>
 #include <stdexcept>
 
@@ -15,6 +16,16 @@ namespace voxserve {
 namespace {
 
 constexpr size_t kMaxRecordBytes = 4096;  // a record is ~250 bytes: a larger file is none of ours
+// A record's identity (inode, mtime, size) vouches for what was read from it only when it was read a while after its
+// mtime: one removed and written anew within a tick of the file system's clock can come back with the same inode,
+// size and mtime. Until then it is read again (as shm.RACY_NS in the Python processes).
+constexpr int64_t kRacyNs = 1000000000;
+
+int64_t WallNs() {
+  struct timespec now {};
+  clock_gettime(CLOCK_REALTIME, &now);
+  return static_cast<int64_t>(now.tv_sec) * 1000000000 + now.tv_nsec;
+}
 
 bool ParseUnsigned(const std::string& text, uint64_t* out) {
   if (text.empty() || text.size() > 19) return false;
@@ -68,7 +79,7 @@ bool Regions::Lookup(const std::string& name, CudaRegionRecord* out) {
   if (!ValidName(name)) return false;
   const std::string path = dir_ + "/r-" + name;
   struct stat info {};
-  if (stat(path.c_str(), &info) != 0) {
+  if (lstat(path.c_str(), &info) != 0 || !S_ISREG(info.st_mode)) {  // (a link is none of ours: read with O_NOFOLLOW)
     std::lock_guard<std::mutex> l(mu_);
     cache_.erase(name);
     return false;
@@ -78,13 +89,15 @@ bool Regions::Lookup(const std::string& name, CudaRegionRecord* out) {
     std::lock_guard<std::mutex> l(mu_);
     auto it = cache_.find(name);
     if (it != cache_.end() && it->second.inode == info.st_ino && it->second.mtime_ns == mtime_ns &&
-        it->second.size == info.st_size) {
+        it->second.size == info.st_size && it->second.read_ns - mtime_ns >= kRacyNs) {
       if (!it->second.cuda) return false;
       *out = it->second.record;
       return true;
     }
   }
-  // New, or changed since it was read: read it (outside the lock; a record being written reads as none).
+  // New, changed since it was read, or read too soon after it was written: read it (outside the lock; a record
+  // being written reads as none).
+  const int64_t read_ns = WallNs();
   std::string text;
   struct stat read_info {};
   if (!ReadRecord(path, &text, &read_info)) return false;
@@ -94,7 +107,7 @@ bool Regions::Lookup(const std::string& name, CudaRegionRecord* out) {
   } catch (const std::exception&) {
     return false;  // cut short (being written): as absent, as cudashm._read_record
   }
-  Cached cached{read_info.st_ino, MtimeNs(read_info), read_info.st_size, false, {}};
+  Cached cached{read_info.st_ino, MtimeNs(read_info), read_info.st_size, read_ns, false, {}};
   const auto kind = fields.find("kind");
   if (kind != fields.end() && kind->second == "cuda") {
     uint64_t device = 0, size = 0;

@@ -40,6 +40,7 @@ class Regions {
     ino_t inode;
     int64_t mtime_ns;
     off_t size;
+    int64_t read_ns;  // the wall clock just before it was read: its identity vouches for it once settled (.cc)
     bool cuda;  // false: a record of another kind (a system region's)
     CudaRegionRecord record;
   };

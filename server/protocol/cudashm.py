@@ -35,6 +35,7 @@ import math
 import os
 import secrets
 import threading
+import time
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -51,7 +52,7 @@ from ..core.devicemem import (
     host_view,
 )
 from ..core.errors import ServingError, Status, exhausted, invalid, not_found, shown
-from .shm import _NAME, SharedMemoryRegistry, sync_all
+from .shm import _NAME, SharedMemoryRegistry, settled, sync_all
 
 log = logging.getLogger(__name__)
 KIND = "cuda"  # a record's "kind" (system regions' records have none)
@@ -129,7 +130,8 @@ class CudaSharedMemoryRegistry:
         self.system = system
         self._shared = shared_dir
         self._regions: dict[str, CudaRegion] = {}
-        self._seen: dict[str, tuple[int, int, int]] = {}  # shared records' identities (inode, mtime, size) when read
+        # shared records' identities (inode, mtime, size) when read, and when they were stat-ed then (shm.settled)
+        self._seen: dict[str, tuple[tuple[int, int, int], int]] = {}
         self._pending: set[str] = set()  # names whose handle is being opened
         self._draining: list[CudaRegion] = []  # unregistered, still leased
         self._lock = threading.Lock()
@@ -493,19 +495,21 @@ class CudaSharedMemoryRegistry:
         region = self._regions.get(name)
         if self._shared is None:
             return region
-        # A record is written once, at its creation: a file whose identity is the one last read here says nothing
-        # new (one stat instead of a read and a parse on every request; as shm.py does).
+        # A record is written once, at its creation: a file whose identity is the one last read here, once settled,
+        # says nothing new (one stat instead of a read and a parse on every request; as shm.py does).
+        stat_ns = time.time_ns()
         try:
             info = os.stat(self._record_path(name))
             identity: tuple[int, int, int] | None = (info.st_ino, info.st_mtime_ns, info.st_size)
         except FileNotFoundError:
             identity = None
-        if identity is not None and self._seen.get(name) == identity:
+        seen = self._seen.get(name)
+        if identity is not None and seen is not None and seen[0] == identity and settled(identity[1], seen[1]):
             return region
         self._seen.pop(name, None)
         got = self._read_record(name) if identity is not None else None
         if got is not None and identity is not None:  # read whole: a CUDA region's record, or another kind's
-            self._seen[name] = identity
+            self._seen[name] = (identity, stat_ns)
         record = got if isinstance(got, tuple) else None
         if region is not None and (record is None or record[3] != region.token):
             dropped = self._forget(name)  # unregistered (and maybe registered again) through another replica

@@ -35,6 +35,7 @@ import os
 import re
 import stat
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -52,6 +53,17 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 SHM_DIR = "/dev/shm"
+# A shared record's identity (inode, mtime, size) vouches for what was read from it only once the record was seen a
+# while after its mtime: one removed and written anew within a tick of the file system's clock can come back with
+# the same inode, size and mtime (git's "racily clean" entries). Until then it is read again (a few hundred bytes).
+RACY_NS = 1_000_000_000
+
+
+def settled(mtime_ns: int, stat_ns: int) -> bool:
+    """Whether a record whose mtime is ``mtime_ns``, stat-ed at ``stat_ns`` (the wall clock, taken before the stat),
+    is old enough for its identity to vouch for its contents."""
+    return stat_ns - mtime_ns >= RACY_NS
+
 _KEY = re.compile(r"/?([A-Za-z0-9_.-]{1,200})")  # used with fullmatch: '$' would let a trailing newline through
 _NAME = re.compile(r"[A-Za-z0-9_.-]{1,128}")
 
@@ -75,6 +87,7 @@ class Region:
     file: tuple[int, int]  # (st_dev, st_ino) of the segment registered: a recreated segment is another file
     fd: int | None = None  # opened on first use in a replica that did not register it
     record: tuple[int, int] | None = None  # the shared record's (inode, mtime) this region was opened from
+    stat_ns: int = 0  # when that record was last stat-ed and read here (settled(): no need to read it again)
     pinned: Pinned | None = None  # this process's page-locked mapping, once made
     copied: bool = False  # page-locking was refused here: inputs are copied
 
@@ -244,6 +257,7 @@ class SharedMemoryRegistry:
         if self._shared is None:
             return region
         path = self._record_path(name)
+        stat_ns = time.time_ns()
         try:
             info = os.stat(path)
         except FileNotFoundError:
@@ -251,10 +265,8 @@ class SharedMemoryRegistry:
                 self._drop(name)
             return None
         record = (info.st_ino, info.st_mtime_ns)
-        if region is not None and region.record == record:
+        if region is not None and region.record == record and settled(info.st_mtime_ns, region.stat_ns):
             return region
-        if region is not None:  # unregistered and registered again elsewhere: open anew on first use
-            self._drop(name)
         try:
             with open(path) as f:
                 data = json.load(f)
@@ -262,9 +274,15 @@ class SharedMemoryRegistry:
             file = (int(data["dev"]), int(data["ino"]))
         except (OSError, ValueError, KeyError, TypeError):
             return None  # being written or removed right now: treat as absent
+        if region is not None and region.record == record and (key, offset, byte_size, file) == (
+                region.key, region.offset, region.byte_size, region.file):
+            region.stat_ns = stat_ns  # the same record, read again while its identity could not vouch for it
+            return region
+        if region is not None:  # unregistered and registered again elsewhere: open anew on first use
+            self._drop(name)
         if not _KEY.fullmatch(key):
             return None
-        region = Region(name, key, offset, byte_size, file, None, record)
+        region = Region(name, key, offset, byte_size, file, None, record, stat_ns)
         self._regions[name] = region
         return region
 

@@ -20,6 +20,7 @@ import subprocess
 import sys
 import threading
 import time
+import types
 import urllib.error
 import urllib.request
 import uuid
@@ -40,6 +41,7 @@ from voxserve.proto import pb, pb_grpc
 from voxserve.server.app import VoxServer
 from voxserve.server.core.errors import ServingError, Status
 from voxserve.server.core.model import relative_error
+from voxserve.server.protocol import shm
 from voxserve.server.protocol.codec import ModelSpec, decode_request, shared_memory_input_bytes
 from voxserve.server.protocol.cudashm import CudaSharedMemoryRegistry, NotMappedHere
 from voxserve.server.protocol.shm import SharedMemoryRegistry
@@ -549,6 +551,34 @@ def test_a_replicas_first_output_into_a_region_opens_it_off_the_event_loop(tmp_p
     asyncio.run(a.unregister(""))
 
 
+def test_a_record_written_anew_within_a_tick_of_the_clock_is_read_again(tmp_path, monkeypatch):
+    """With coarse file timestamps a region unregistered and registered again within one tick can leave a record
+    with the old one's inode, size and mtime. Seen that soon after its mtime, the identity vouches for nothing: the
+    other replica reads the record again and serves the new registration, not the allocation it mapped before."""
+    fake, a = _registry(shared_dir=str(tmp_path))
+    _, b = _registry(shared_dir=str(tmp_path))
+    b.devices = fake
+    asyncio.run(a.register("r", fake.export(64), 0, 64))
+    (first,) = b.status("r")
+    path = a._record_path("r")
+    old = os.stat(path)
+    asyncio.run(a.unregister("r"))
+    asyncio.run(a.register("r", fake.export(128), 1, 100))
+    real_stat = os.stat
+
+    def as_in_one_tick(where, *args, **kwargs):  # the new record, as a coarse clock and a reused inode leave it
+        info = real_stat(where, *args, **kwargs)
+        if os.fspath(where) != path:
+            return info
+        return types.SimpleNamespace(st_ino=old.st_ino, st_mtime_ns=old.st_mtime_ns, st_size=old.st_size)
+
+    monkeypatch.setattr(os, "stat", as_in_one_tick)
+    (again,) = b.status("r")
+    assert (again.token, again.device_id, again.byte_size) != (first.token, first.device_id, first.byte_size)
+    assert (again.device_id, again.byte_size) == (1, 100)
+    asyncio.run(a.unregister(""))
+
+
 # --- the RPCs over real gRPC, against an in-process server given the fake layer ---------------------------------------
 
 class _FakeLayerServer(ServerThread):
@@ -885,8 +915,11 @@ def test_a_replica_does_not_open_a_region_again_after_it_failed_to(tmp_path):
 
 
 def test_a_replica_reads_a_shared_record_once_until_it_changes(tmp_path, monkeypatch):
-    """Names are looked up on every request (holds, read, store): a record whose file is as last read is not read
-    and parsed again, a CUDA region's or a system region's alike; one unregistered and registered again is."""
+    """Names are looked up on every request (holds, read, store): a record whose file is as last read (and settled:
+    its mtime a while before that read) is not read and parsed again, a CUDA region's or a system region's alike;
+    one unregistered and registered again is."""
+    real_clock = time.time_ns
+    monkeypatch.setattr(time, "time_ns", lambda: real_clock() + 2 * shm.RACY_NS)  # every record settled
     fake, a = _registry(shared_dir=str(tmp_path))
     _, b = _registry(shared_dir=str(tmp_path))
     b.devices = fake

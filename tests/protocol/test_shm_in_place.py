@@ -12,6 +12,7 @@ import logging
 import os
 import threading
 import time
+import types
 import uuid
 import weakref
 
@@ -353,3 +354,39 @@ def test_an_input_read_in_place_takes_nothing_from_the_budget_of_copies():
         assert all(relative_error(torch.from_numpy(y), ref) <= 1e-5 for y in ys)
         assert seen == [0, 0, 0, 0] and budget.used == 0
         assert srv.server.shm.copies == 0
+
+
+def test_a_record_written_anew_within_a_tick_of_the_clock_is_read_again(tmp_path, monkeypatch):
+    """System regions' records, as CUDA regions' (test_cuda_shared_memory.py): a region unregistered and registered
+    again within one tick of a coarse file clock can leave a record with the old one's inode and mtime. Seen that
+    soon after its mtime, the identity vouches for nothing: the other replica reads the new registration's span,
+    not the one it mapped before; and a record read again unchanged keeps its mapping."""
+    a, _ = _registry(shared_dir=str(tmp_path))
+    b, lock_b = _registry(shared_dir=str(tmp_path))
+    with _segment(DATA.tobytes()) as (key, _):
+        a.register("r", key, 0, 8192)
+        view = b.pinned("r", 0, 4096, "input 'x'")[0]
+        assert np.array_equal(view, DATA[:4096]) and lock_b.locks == 1
+        view = b.pinned("r", 0, 4096, "input 'x'")[0]  # read again (not settled yet), unchanged: the same mapping
+        assert lock_b.locks == 1
+        del view
+        gc.collect()
+        path = a._record_path("r")
+        old = os.stat(path)
+        a.unregister("r")
+        a.register("r", key, 4096, 4096)
+        real_stat = os.stat
+
+        def as_in_one_tick(where, *args, **kwargs):  # the new record, as a coarse clock and a reused inode leave it
+            info = real_stat(where, *args, **kwargs)
+            if os.fspath(where) != path:
+                return info
+            return types.SimpleNamespace(st_ino=old.st_ino, st_mtime_ns=old.st_mtime_ns, st_size=old.st_size)
+
+        monkeypatch.setattr(os, "stat", as_in_one_tick)
+        (region,) = b.status("r")
+        assert (region.offset, region.byte_size) == (4096, 4096)
+        monkeypatch.undo()
+        assert np.array_equal(b.pinned("r", 0, 4096, "input 'x'")[0], DATA[4096:8192])
+    a.close()
+    b.close()
