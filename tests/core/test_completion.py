@@ -11,17 +11,7 @@ from dataclasses import dataclass, field
 import pytest
 
 from voxserve.server.core.pipeline import CompletionWatcher
-
-
-class FakeEvent:
-    def __init__(self) -> None:
-        self.finished = False
-        self.error: Exception | None = None
-
-    def query(self) -> bool:
-        if self.error is not None:
-            raise self.error
-        return self.finished
+from voxserve.testing.fake_pipeline import FakeEvent
 
 
 @dataclass

@@ -1,0 +1,88 @@
+"""The runner's GPU path (server/core/runner.py: _execute_gpu, _collect) with a stand-in pipeline
+(voxserve/testing/fake_pipeline.py), so it runs without a GPU: executions enqueued without waiting for the one
+before and collected in order, a batch split into several executions joined back, a failed enqueue or a failed
+execution answered with its error while the others are served, and nothing left counted in flight.
+tests/core/test_pipeline_gpu.py runs the same path against the real pipeline."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+
+from voxserve.server.core.batching import BatchingConfig
+from voxserve.server.core.errors import ServingError, Status
+from voxserve.server.core.runner import Runner
+from voxserve.server.core.stats import ModelStats
+from voxserve.server.metrics import Metrics
+from voxserve.testing.fake_pipeline import FakeGpuModel, expected
+
+
+@pytest.fixture(params=[False, True], ids=["submit thread", "enqueue on the loop"])
+def runner(request):
+    model = FakeGpuModel(max_batch=8)
+    runner = Runner([model], ModelStats(), Metrics("voxnet", gpu_metrics=False), BatchingConfig(True, 0.0, 4096),
+                    enqueue_on_loop=request.param)
+    yield runner
+    asyncio.run(runner.close())
+    model.pipeline.close()
+
+
+def _inputs(sizes) -> list[np.ndarray]:
+    rng = np.random.default_rng()
+    return [rng.standard_normal((n, 3, 2, 2, 2), dtype=np.float32) for n in sizes]
+
+
+def test_requests_of_every_size_are_answered_in_order_and_nothing_stays_in_flight(runner):
+    """Batch 1 to beyond max_batch (split into executions of at most 8 samples), many at once: each request gets
+    its own rows, every execution is collected, and no execution is left counted as in flight."""
+    pipeline = runner.model.gpu_pipeline
+    xs = _inputs([1, 3, 8, 9, 20, 1, 1, 5, 16, 2] * 3)
+
+    async def go():
+        return await asyncio.gather(*(runner.run(x, "FP32") for x in xs))
+
+    results = asyncio.run(go())
+    for x, result in zip(xs, results, strict=True):
+        np.testing.assert_array_equal(result.output, expected(x))
+    assert max(pipeline.submitted) <= 8 and sum(pipeline.submitted) == sum(len(x) for x in xs)
+    assert runner.workers[0].inflight == 0 and runner.workers[0].submitting == 0 and pipeline.released == 0
+
+
+@pytest.mark.parametrize("failure", ["enqueue", "execution"])
+def test_a_failed_execution_is_answered_with_its_error_and_the_others_are_served(runner, failure):
+    """An execution that fails (its enqueue, or on the device) answers its requests INTERNAL (the device recovered)
+    and releases its slot; requests in other executions, before and after, are served."""
+    pipeline = runner.model.gpu_pipeline
+    (pipeline.fail_submit if failure == "enqueue" else pipeline.fail_event).add(7)
+    good, bad = _inputs([3, 7])
+
+    async def go():
+        first = await runner.run(good, "FP32")
+        with pytest.raises(ServingError) as err:
+            await runner.run(bad, "FP32")
+        after = await runner.run(good, "FP32")
+        return first, err.value, after
+
+    first, err, after = asyncio.run(go())
+    assert err.code == Status.INTERNAL and "recovered" in err.message
+    np.testing.assert_array_equal(first.output, expected(good))
+    np.testing.assert_array_equal(after.output, expected(good))
+    assert runner.model.recovered == 1 and pipeline.released == (1 if failure == "execution" else 0)
+    assert runner.workers[0].inflight == 0
+
+
+def test_one_failed_execution_of_a_split_request_fails_the_request_and_every_execution_is_collected(runner):
+    """A 20-sample request runs as executions of 8, 8 and 4: the 4's failure fails the request, and the two that
+    succeeded are still collected (their slots back), nothing in flight."""
+    pipeline = runner.model.gpu_pipeline
+    pipeline.fail_event.add(4)
+    (x,) = _inputs([20])
+
+    async def go():
+        with pytest.raises(ServingError):
+            await runner.run(x, "FP32")
+
+    asyncio.run(go())
+    assert pipeline.submitted == [8, 8, 4] and pipeline.released == 1 and runner.workers[0].inflight == 0

@@ -1,0 +1,115 @@
+"""A GPU pipeline and model for server/core/runner.py's GPU path without a GPU: executions end in order on one
+"stream" (a thread), each a moment after it was enqueued, and signal the completion watcher's eventfd as the real
+pipeline's host function does; a sample's output is the mean of its voxels, COUT times. A test can make an enqueue
+or an execution of a given sample count fail. tests/core/test_runner_gpu_path.py drives the runner with it, and
+bench/probes/runner_calls.py counts the Python calls per request it takes.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+COUT = 4
+
+
+class FakeEvent:
+    def __init__(self) -> None:
+        self.finished = False
+        self.error: Exception | None = None
+
+    def query(self) -> bool:
+        if self.error is not None:
+            raise self.error
+        return self.finished
+
+
+@dataclass
+class FakePending:
+    output: np.ndarray
+    samples: int
+    events: tuple = field(default_factory=lambda: (FakeEvent(),))
+
+
+class FakePipeline:
+    """Executions end in order on one "stream" (a thread), each a moment after it was enqueued; the output of a
+    sample is the mean of its voxels, COUT times."""
+
+    depth = 2
+    native = None
+
+    def __init__(self) -> None:
+        self.completion_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+        self.fail_submit: set[int] = set()  # sample counts whose enqueue raises
+        self.fail_event: set[int] = set()  # sample counts whose execution ends in an error
+        self.submitted: list[int] = []
+        self.released = 0
+        self._stream: list[FakePending] = []
+        self._lock = threading.Condition()
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def submit(self, arrays, datatype, wait_for_slot=True, notify=True, max_host_copy=None):
+        samples = sum(int(a.shape[0]) for a in arrays)
+        self.submitted.append(samples)
+        if samples in self.fail_submit:
+            raise RuntimeError("CUDA error: an enqueue the test refuses")
+        x = np.concatenate([np.asarray(a, dtype=np.float32) for a in arrays])
+        means = x.reshape(samples, -1).mean(axis=1, dtype=np.float64).astype(np.float32)
+        pending = FakePending(np.repeat(means[:, None], COUT, axis=1), samples)
+        if samples in self.fail_event:
+            pending.events[-1].error = RuntimeError("CUDA error: an execution the test fails")
+        with self._lock:
+            self._stream.append(pending)
+            self._lock.notify()
+        return pending
+
+    def finish(self, pending: FakePending):
+        return pending.output.copy(), 0, 1000, 0
+
+    def release(self, pending: FakePending) -> None:
+        self.released += 1
+
+    def _run(self) -> None:
+        while True:
+            with self._lock:
+                while not self._stream and not self._closed:
+                    self._lock.wait()
+                if self._closed:
+                    return
+                pending = self._stream.pop(0)
+            threading.Event().wait(0.0005)  # the GPU's time
+            pending.events[-1].finished = True
+            os.eventfd_write(self.completion_fd, 1)
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            self._lock.notify()
+        self._thread.join(5)
+        os.close(self.completion_fd)
+
+
+class FakeGpuModel:
+    """What the runner asks of a model on a GPU."""
+
+    def __init__(self, max_batch: int) -> None:
+        self.device = torch.device("cuda", 0)  # (only named: nothing runs on it)
+        self.max_batch = max_batch
+        self.pipeline = self.gpu_pipeline = FakePipeline()
+        self.recovered = 0
+
+    def recover(self) -> str | None:
+        self.recovered += 1
+        return None  # the device serves on
+
+
+def expected(x: np.ndarray) -> np.ndarray:
+    """FakePipeline's output for ``x``."""
+    means = x.reshape(x.shape[0], -1).mean(axis=1, dtype=np.float64).astype(np.float32)
+    return np.repeat(means[:, None], COUT, axis=1)
