@@ -215,6 +215,11 @@ class Runner:
                 worker.inflight -= 1
                 failure = exc
                 break
+            if len(executions) == 1:  # (most batches: collected here, without a task and a gather of its own)
+                try:
+                    return [await self._collect(worker, pending)]
+                finally:
+                    worker.inflight -= 1
             waits.append(asyncio.ensure_future(self._collect(worker, pending)))
         results = await asyncio.gather(*waits, return_exceptions=True)
         worker.inflight -= len(waits)
