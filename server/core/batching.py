@@ -149,6 +149,7 @@ class DynamicBatcher:
         self._depth_due = False
         self._on_queued = on_queued or (lambda queue_ns: None)
         self._groups: OrderedDict[tuple, deque[_Item]] = OrderedDict()
+        self._group_bytes: dict[tuple, int] = {}  # each group's arrays' bytes (cancelled ones until taken out)
         self._large: deque[_Large] = deque()
         self._large_turn_ns = 0  # the last time a chunk was formed or finished
         self._queued = 0
@@ -192,6 +193,7 @@ class DynamicBatcher:
             key = (array.shape[1:], datatype) if isinstance(array, np.ndarray) else (array.shape[1:], datatype,
                                                                                     array.place)
             self._groups.setdefault(key, deque()).append(item)
+            self._group_bytes[key] = self._group_bytes.get(key, 0) + array.nbytes
             future = item.future
         self._queued += 1
         self._depth_changed(loop)
@@ -229,6 +231,7 @@ class DynamicBatcher:
             if taken and (not self.enabled or samples + item.samples > self.max_batch):
                 break
             queue.popleft()
+            self._group_bytes[key] -= item.array.nbytes
             self._queued -= 1
             if item.future.done():  # cancelled while queued
                 continue
@@ -237,7 +240,7 @@ class DynamicBatcher:
             if not self.enabled:
                 break
         if not queue:
-            del self._groups[key]
+            del self._groups[key], self._group_bytes[key]
         self._depth_changed(asyncio.get_running_loop())
         return taken
 
@@ -263,7 +266,7 @@ class DynamicBatcher:
         batch gains nothing by starting early on a device that runs one batch at a time, and each execution
         costs host time: waiting lets it grow instead."""
         while self._executing >= self.devices and key in self._groups:
-            if sum(i.array.nbytes for i in self._groups[key]) >= self.overlap_bytes:
+            if self._group_bytes[key] >= self.overlap_bytes:
                 return
             self._wake.clear()
             await self._wake.wait()
@@ -420,6 +423,7 @@ class DynamicBatcher:
             for item in lane:
                 item.future.cancel()
         self._groups.clear()
+        self._group_bytes.clear()
         self._large.clear()
         if self._queued:
             self._queued = 0
