@@ -20,7 +20,6 @@ import subprocess
 import sys
 import threading
 import time
-import types
 import urllib.error
 import urllib.request
 import uuid
@@ -50,6 +49,7 @@ from voxserve.server.topology.roles import REPLICA, Role
 from voxserve.testing.fake_devicemem import FakeDeviceMemory
 
 from ..conftest import ServerThread
+from ..records import as_in_one_tick
 
 CUDA_MESSAGES = ("CudaSharedMemoryStatusRequest", "CudaSharedMemoryStatusResponse", "CudaSharedMemoryRegisterRequest",
                  "CudaSharedMemoryRegisterResponse", "CudaSharedMemoryUnregisterRequest",
@@ -564,15 +564,7 @@ def test_a_record_written_anew_within_a_tick_of_the_clock_is_read_again(tmp_path
     old = os.stat(path)
     asyncio.run(a.unregister("r"))
     asyncio.run(a.register("r", fake.export(128), 1, 100))
-    real_stat = os.stat
-
-    def as_in_one_tick(where, *args, **kwargs):  # the new record, as a coarse clock and a reused inode leave it
-        info = real_stat(where, *args, **kwargs)
-        if os.fspath(where) != path:
-            return info
-        return types.SimpleNamespace(st_ino=old.st_ino, st_mtime_ns=old.st_mtime_ns, st_size=old.st_size)
-
-    monkeypatch.setattr(os, "stat", as_in_one_tick)
+    as_in_one_tick(monkeypatch, path, old)  # the new record, with the old one's identity
     (again,) = b.status("r")
     assert (again.token, again.device_id, again.byte_size) != (first.token, first.device_id, first.byte_size)
     assert (again.device_id, again.byte_size) == (1, 100)

@@ -12,7 +12,6 @@ import logging
 import os
 import threading
 import time
-import types
 import uuid
 import weakref
 
@@ -30,6 +29,7 @@ from voxserve.server.protocol.shm import SharedMemoryRegistry
 from voxserve.testing.fake_hostmem import FakePageLocker
 
 from ..conftest import running_server
+from ..records import as_in_one_tick
 
 W, B = reference_weights()
 SHAPE = (2, 3, 5, 6, 7)
@@ -375,15 +375,7 @@ def test_a_record_written_anew_within_a_tick_of_the_clock_is_read_again(tmp_path
         old = os.stat(path)
         a.unregister("r")
         a.register("r", key, 4096, 4096)
-        real_stat = os.stat
-
-        def as_in_one_tick(where, *args, **kwargs):  # the new record, as a coarse clock and a reused inode leave it
-            info = real_stat(where, *args, **kwargs)
-            if os.fspath(where) != path:
-                return info
-            return types.SimpleNamespace(st_ino=old.st_ino, st_mtime_ns=old.st_mtime_ns, st_size=old.st_size)
-
-        monkeypatch.setattr(os, "stat", as_in_one_tick)
+        as_in_one_tick(monkeypatch, path, old)  # the new record, with the old one's identity
         (region,) = b.status("r")
         assert (region.offset, region.byte_size) == (4096, 4096)
         monkeypatch.undo()
