@@ -504,10 +504,13 @@ class CudaSharedMemoryRegistry:
         except FileNotFoundError:
             identity = None
         seen = self._seen.get(name)
-        if identity is not None and seen is not None and seen[0] == identity and settled(identity[1], seen[1]):
+        unchanged = seen is not None and identity is not None and seen[0] == identity
+        if seen is not None and unchanged and settled(seen[0][1], seen[1]):
             return region
-        self._seen.pop(name, None)
         got = self._read_record(name) if identity is not None else None
+        if got is None and unchanged:
+            return region  # as last read (it cannot be read again now)
+        self._seen.pop(name, None)
         if got is not None and identity is not None:  # read whole: a CUDA region's record, or another kind's
             self._seen[name] = (identity, stat_ns)
         record = got if isinstance(got, tuple) else None

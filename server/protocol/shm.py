@@ -272,8 +272,12 @@ class SharedMemoryRegistry:
                 data = json.load(f)
             key, offset, byte_size = str(data["key"]), int(data["offset"]), int(data["byte_size"])
             file = (int(data["dev"]), int(data["ino"]))
-        except (OSError, ValueError, KeyError, TypeError):
-            return None  # being written or removed right now: treat as absent
+        except (OSError, ValueError, KeyError, TypeError):  # being written or removed right now
+            if region is not None and region.record == record:
+                return region  # as last read (it cannot be read again now)
+            if region is not None:  # unregistered and registered again elsewhere
+                self._drop(name)
+            return None  # treat as absent
         if region is not None and region.record == record and (key, offset, byte_size, file) == (
                 region.key, region.offset, region.byte_size, region.file):
             region.stat_ns = stat_ns  # the same record, read again while its identity could not vouch for it

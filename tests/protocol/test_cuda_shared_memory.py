@@ -571,6 +571,19 @@ def test_a_record_written_anew_within_a_tick_of_the_clock_is_read_again(tmp_path
     asyncio.run(a.unregister(""))
 
 
+def test_a_record_that_cannot_be_read_again_right_now_keeps_its_region(tmp_path, monkeypatch):
+    """Read again while its identity cannot vouch for it yet, an unchanged record that fails to read (a passing
+    error) leaves the region as it was, mapped: not dropped as if unregistered."""
+    fake, a = _registry(shared_dir=str(tmp_path))
+    _, b = _registry(shared_dir=str(tmp_path))
+    b.devices = fake
+    asyncio.run(a.register("r", fake.export(64), 0, 64))
+    b.lease("r", 0, 8, "input").release()  # mapped in b
+    monkeypatch.setattr(b, "_read_record", lambda name: None)
+    assert b.holds("r") and b.opened("r") and fake.closes == 0
+    asyncio.run(a.unregister(""))
+
+
 # --- the RPCs over real gRPC, against an in-process server given the fake layer ---------------------------------------
 
 class _FakeLayerServer(ServerThread):

@@ -382,3 +382,30 @@ def test_a_record_written_anew_within_a_tick_of_the_clock_is_read_again(tmp_path
         assert np.array_equal(b.pinned("r", 0, 4096, "input 'x'")[0], DATA[4096:8192])
     a.close()
     b.close()
+
+
+def test_a_record_that_cannot_be_read_again_right_now_keeps_its_region(tmp_path, monkeypatch):
+    """Read again while its identity cannot vouch for it yet, an unchanged record that fails to read (a passing
+    error) leaves the region as it was, with its mapping: not dropped as if unregistered."""
+    import builtins
+
+    a, _ = _registry(shared_dir=str(tmp_path))
+    b, lock_b = _registry(shared_dir=str(tmp_path))
+    with _segment(DATA.tobytes()) as (key, _):
+        a.register("r", key, 0, 8192)
+        view = b.pinned("r", 0, 4096, "input 'x'")[0]
+        path = a._record_path("r")
+        real_open = builtins.open
+
+        def failing(file, *args, **kwargs):
+            if os.fspath(file) == path:
+                raise OSError(24, "Too many open files")
+            return real_open(file, *args, **kwargs)
+
+        monkeypatch.setattr(builtins, "open", failing)
+        assert [r.name for r in b.status("r")] == ["r"]
+        monkeypatch.undo()
+        assert lock_b.locks == 1 and lock_b.unlocks == 0
+        del view
+    a.close()
+    b.close()
