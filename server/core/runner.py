@@ -215,14 +215,16 @@ class Runner:
                 worker.inflight -= 1
                 failure = exc
                 break
-            if len(executions) == 1:  # (most batches: collected here, without a task and a gather of its own)
+            if len(executions) == 1:  # (every batch the batcher forms: collected here, with no task or gather)
                 try:
                     return [await self._collect(worker, pending)]
                 finally:
                     worker.inflight -= 1
             waits.append(asyncio.ensure_future(self._collect(worker, pending)))
-        results = await asyncio.gather(*waits, return_exceptions=True)
-        worker.inflight -= len(waits)
+        try:
+            results = await asyncio.gather(*waits, return_exceptions=True)
+        finally:
+            worker.inflight -= len(waits)
         errors = [r for r in results if isinstance(r, BaseException)]
         if failure is not None or errors:
             raise failure if failure is not None else errors[0]

@@ -86,3 +86,37 @@ def test_one_failed_execution_of_a_split_request_fails_the_request_and_every_exe
 
     asyncio.run(go())
     assert pipeline.submitted == [8, 8, 4] and pipeline.released == 1 and runner.workers[0].inflight == 0
+
+
+def test_several_executions_of_one_call_are_collected_together_and_joined_in_order(runner):
+    """The runner split into executions of at most max_batch itself (the batcher hands it at most that many, so
+    only a direct call takes this path): 20 samples run as 8, 8 and 4, joined back in order; nothing in flight."""
+    pipeline = runner.model.gpu_pipeline
+    (x,) = _inputs([20])
+    out = asyncio.run(runner._execute([x[:5], x[5:20]], "FP32"))
+    np.testing.assert_array_equal(out, expected(x))
+    assert pipeline.submitted == [8, 8, 4] and runner.workers[0].inflight == 0
+
+
+@pytest.mark.parametrize("sizes", [[8], [5, 15]], ids=["one execution", "three executions"])
+def test_a_cancelled_execution_leaves_nothing_counted_in_flight(runner, sizes):
+    """Cancelled while its executions run (a shutdown), a call's executions no longer count as in flight on the
+    device (the least busy device is chosen by that count)."""
+    pipeline = runner.model.gpu_pipeline
+    pipeline.hold.clear()  # the stream waits: the executions stay running
+    arrays = _inputs(sizes)
+
+    async def go():
+        task = asyncio.ensure_future(runner._execute(arrays, "FP32"))
+        while len(pipeline.submitted) < -(-sum(len(a) for a in arrays) // 8):
+            await asyncio.sleep(0.001)
+        assert runner.workers[0].inflight > 0
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    try:
+        asyncio.run(go())
+        assert runner.workers[0].inflight == 0
+    finally:
+        pipeline.hold.set()

@@ -51,6 +51,8 @@ class FakePipeline:
         self._stream: list[FakePending] = []
         self._lock = threading.Condition()
         self._closed = False
+        self.hold = threading.Event()  # cleared: the stream stops after its current execution, until set again
+        self.hold.set()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
 
@@ -83,11 +85,13 @@ class FakePipeline:
                 if self._closed:
                     return
                 pending = self._stream.pop(0)
+            self.hold.wait()
             threading.Event().wait(0.0005)  # the GPU's time
             pending.events[-1].finished = True
             os.eventfd_write(self.completion_fd, 1)
 
     def close(self) -> None:
+        self.hold.set()
         with self._lock:
             self._closed = True
             self._lock.notify()
