@@ -86,7 +86,7 @@ class Region:
     byte_size: int
     file: tuple[int, int]  # (st_dev, st_ino) of the segment registered: a recreated segment is another file
     fd: int | None = None  # opened on first use in a replica that did not register it
-    record: tuple[int, int] | None = None  # the shared record's (inode, mtime) this region was opened from
+    record: tuple[int, int, int] | None = None  # the shared record's (inode, mtime, size) it was opened from
     stat_ns: int = 0  # when that record was last stat-ed and read here (settled(): no need to read it again)
     pinned: Pinned | None = None  # this process's page-locked mapping, once made
     copied: bool = False  # page-locking was refused here: inputs are copied
@@ -238,7 +238,7 @@ class SharedMemoryRegistry:
         assert self._shared is not None
         return os.path.join(self._shared, "r-" + name)  # names never contain '/'; "r-" keeps '.' and '..' files
 
-    def _write_record(self, region: Region) -> tuple[int, int]:
+    def _write_record(self, region: Region) -> tuple[int, int, int]:
         path = self._record_path(region.name)
         try:
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
@@ -249,7 +249,7 @@ class SharedMemoryRegistry:
             json.dump({"key": region.key, "offset": region.offset, "byte_size": region.byte_size,
                        "dev": region.file[0], "ino": region.file[1]}, f)
         info = os.stat(path)
-        return info.st_ino, info.st_mtime_ns
+        return info.st_ino, info.st_mtime_ns, info.st_size
 
     def _sync(self, name: str) -> Region | None:
         """This process's view of region ``name`` brought in line with the shared record (no-op unshared)."""
@@ -264,7 +264,7 @@ class SharedMemoryRegistry:
             if region is not None:  # unregistered through another replica
                 self._drop(name)
             return None
-        record = (info.st_ino, info.st_mtime_ns)
+        record = (info.st_ino, info.st_mtime_ns, info.st_size)
         if region is not None and region.record == record and settled(info.st_mtime_ns, region.stat_ns):
             return region
         try:

@@ -555,6 +555,7 @@ def test_a_record_written_anew_within_a_tick_of_the_clock_is_read_again(tmp_path
     """With coarse file timestamps a region unregistered and registered again within one tick can leave a record
     with the old one's inode, size and mtime. Seen that soon after its mtime, the identity vouches for nothing: the
     other replica reads the record again and serves the new registration, not the allocation it mapped before."""
+    monkeypatch.setattr(shm, "RACY_NS", 1 << 62)  # every record unsettled, however slow this run
     fake, a = _registry(shared_dir=str(tmp_path))
     _, b = _registry(shared_dir=str(tmp_path))
     b.devices = fake
@@ -574,6 +575,7 @@ def test_a_record_written_anew_within_a_tick_of_the_clock_is_read_again(tmp_path
 def test_a_record_that_cannot_be_read_again_right_now_keeps_its_region(tmp_path, monkeypatch):
     """Read again while its identity cannot vouch for it yet, an unchanged record that fails to read (a passing
     error) leaves the region as it was, mapped: not dropped as if unregistered."""
+    monkeypatch.setattr(shm, "RACY_NS", 1 << 62)  # every record unsettled, however slow this run
     fake, a = _registry(shared_dir=str(tmp_path))
     _, b = _registry(shared_dir=str(tmp_path))
     b.devices = fake

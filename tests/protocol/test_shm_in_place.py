@@ -25,6 +25,7 @@ from voxserve.kernels import reference_float64, reference_weights
 from voxserve.server.core.errors import ServingError, Status
 from voxserve.server.core.leases import Releases
 from voxserve.server.core.model import relative_error
+from voxserve.server.protocol import shm
 from voxserve.server.protocol.shm import SharedMemoryRegistry
 from voxserve.testing.fake_hostmem import FakePageLocker
 
@@ -361,6 +362,7 @@ def test_a_record_written_anew_within_a_tick_of_the_clock_is_read_again(tmp_path
     again within one tick of a coarse file clock can leave a record with the old one's inode and mtime. Seen that
     soon after its mtime, the identity vouches for nothing: the other replica reads the new registration's span,
     not the one it mapped before; and a record read again unchanged keeps its mapping."""
+    monkeypatch.setattr(shm, "RACY_NS", 1 << 62)  # every record unsettled, however slow this run
     a, _ = _registry(shared_dir=str(tmp_path))
     b, lock_b = _registry(shared_dir=str(tmp_path))
     with _segment(DATA.tobytes()) as (key, _):
@@ -387,6 +389,7 @@ def test_a_record_written_anew_within_a_tick_of_the_clock_is_read_again(tmp_path
 def test_a_record_that_cannot_be_read_again_right_now_keeps_its_region(tmp_path, monkeypatch):
     """Read again while its identity cannot vouch for it yet, an unchanged record that fails to read (a passing
     error) leaves the region as it was, with its mapping: not dropped as if unregistered."""
+    monkeypatch.setattr(shm, "RACY_NS", 1 << 62)  # every record unsettled, however slow this run
     import builtins
 
     a, _ = _registry(shared_dir=str(tmp_path))
