@@ -6,6 +6,7 @@ avoids by only DMAing such views)."""
 
 from __future__ import annotations
 
+import builtins
 import contextlib
 import gc
 import logging
@@ -357,18 +358,32 @@ def test_an_input_read_in_place_takes_nothing_from_the_budget_of_copies():
         assert srv.server.shm.copies == 0
 
 
+@contextlib.contextmanager
+def _two_replicas(tmp_path):
+    """Replica a registers region "r" (8192 bytes of DATA's segment); replica b maps it, reading its first half.
+    Yields (a, b, b's page locker, the segment's key)."""
+    a, _ = _registry(shared_dir=str(tmp_path))
+    b, lock_b = _registry(shared_dir=str(tmp_path))
+    try:
+        with _segment(DATA.tobytes()) as (key, _):
+            a.register("r", key, 0, 8192)
+            view = b.pinned("r", 0, 4096, "input 'x'")[0]
+            assert np.array_equal(view, DATA[:4096]) and lock_b.locks == 1
+            del view
+            gc.collect()
+            yield a, b, lock_b, key
+    finally:
+        a.close()
+        b.close()
+
+
 def test_a_record_written_anew_within_a_tick_of_the_clock_is_read_again(tmp_path, monkeypatch):
     """System regions' records, as CUDA regions' (test_cuda_shared_memory.py): a region unregistered and registered
     again within one tick of a coarse file clock can leave a record with the old one's inode and mtime. Seen that
     soon after its mtime, the identity vouches for nothing: the other replica reads the new registration's span,
     not the one it mapped before; and a record read again unchanged keeps its mapping."""
     monkeypatch.setattr(shm, "RACY_NS", 1 << 62)  # every record unsettled, however slow this run
-    a, _ = _registry(shared_dir=str(tmp_path))
-    b, lock_b = _registry(shared_dir=str(tmp_path))
-    with _segment(DATA.tobytes()) as (key, _):
-        a.register("r", key, 0, 8192)
-        view = b.pinned("r", 0, 4096, "input 'x'")[0]
-        assert np.array_equal(view, DATA[:4096]) and lock_b.locks == 1
+    with _two_replicas(tmp_path) as (a, b, lock_b, key):
         view = b.pinned("r", 0, 4096, "input 'x'")[0]  # read again (not settled yet), unchanged: the same mapping
         assert lock_b.locks == 1
         del view
@@ -382,21 +397,13 @@ def test_a_record_written_anew_within_a_tick_of_the_clock_is_read_again(tmp_path
         assert (region.offset, region.byte_size) == (4096, 4096)
         monkeypatch.undo()
         assert np.array_equal(b.pinned("r", 0, 4096, "input 'x'")[0], DATA[4096:8192])
-    a.close()
-    b.close()
 
 
 def test_a_record_that_cannot_be_read_again_right_now_keeps_its_region(tmp_path, monkeypatch):
     """Read again while its identity cannot vouch for it yet, an unchanged record that fails to read (a passing
     error) leaves the region as it was, with its mapping: not dropped as if unregistered."""
     monkeypatch.setattr(shm, "RACY_NS", 1 << 62)  # every record unsettled, however slow this run
-    import builtins
-
-    a, _ = _registry(shared_dir=str(tmp_path))
-    b, lock_b = _registry(shared_dir=str(tmp_path))
-    with _segment(DATA.tobytes()) as (key, _):
-        a.register("r", key, 0, 8192)
-        view = b.pinned("r", 0, 4096, "input 'x'")[0]
+    with _two_replicas(tmp_path) as (a, b, lock_b, _):
         path = a._record_path("r")
         real_open = builtins.open
 
@@ -409,6 +416,3 @@ def test_a_record_that_cannot_be_read_again_right_now_keeps_its_region(tmp_path,
         assert [r.name for r in b.status("r")] == ["r"]
         monkeypatch.undo()
         assert lock_b.locks == 1 and lock_b.unlocks == 0
-        del view
-    a.close()
-    b.close()
