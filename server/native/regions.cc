@@ -21,10 +21,12 @@ constexpr size_t kMaxRecordBytes = 4096;  // a record is ~250 bytes: a larger fi
 // size and mtime. Until then it is read again (as shm.RACY_NS in the Python processes).
 constexpr int64_t kRacyNs = 1000000000;
 
+int64_t Ns(const struct timespec& t) { return static_cast<int64_t>(t.tv_sec) * 1000000000 + t.tv_nsec; }
+
 int64_t WallNs() {
   struct timespec now {};
   clock_gettime(CLOCK_REALTIME, &now);
-  return static_cast<int64_t>(now.tv_sec) * 1000000000 + now.tv_nsec;
+  return Ns(now);
 }
 
 bool ParseUnsigned(const std::string& text, uint64_t* out) {
@@ -59,10 +61,6 @@ bool ReadRecord(const std::string& path, std::string* text, struct stat* info) {
   return ok;
 }
 
-int64_t MtimeNs(const struct stat& info) {
-  return static_cast<int64_t>(info.st_mtim.tv_sec) * 1000000000 + info.st_mtim.tv_nsec;
-}
-
 }  // namespace
 
 bool Regions::ValidName(const std::string& name) {
@@ -84,7 +82,7 @@ bool Regions::Lookup(const std::string& name, CudaRegionRecord* out) {
     cache_.erase(name);
     return false;
   }
-  const int64_t mtime_ns = MtimeNs(info);
+  const int64_t mtime_ns = Ns(info.st_mtim);
   {
     std::lock_guard<std::mutex> l(mu_);
     auto it = cache_.find(name);
@@ -107,7 +105,7 @@ bool Regions::Lookup(const std::string& name, CudaRegionRecord* out) {
   } catch (const std::exception&) {
     return false;  // cut short (being written): as absent, as cudashm._read_record
   }
-  Cached cached{read_info.st_ino, MtimeNs(read_info), read_info.st_size, read_ns, false, {}};
+  Cached cached{read_info.st_ino, Ns(read_info.st_mtim), read_info.st_size, read_ns, false, {}};
   const auto kind = fields.find("kind");
   if (kind != fields.end() && kind->second == "cuda") {
     uint64_t device = 0, size = 0;
