@@ -276,13 +276,6 @@ class CudaSharedMemoryRegistry:
         await asyncio.get_running_loop().run_in_executor(self._opening_thread(),
                                                           lambda: self.lease(name, 0, 0, what).release())
 
-    def opened(self, name: str) -> bool:
-        """Whether region ``name`` is mapped in this process now (its status; the request path does not ask it first,
-        which would race a registration anew: a read with open_here=False says so itself)."""
-        with self._locked():
-            region = self._regions.get(name)
-            return region is not None and region.mapping is not None
-
     def _slice(self, name: str, offset: int, byte_size: int, what: str) -> CudaRegion:
         """Region ``name`` once ``byte_size`` bytes at ``offset`` lie inside it (under the lock)."""
         region = self._sync(name)

@@ -466,11 +466,11 @@ def test_a_replicas_first_use_of_a_region_opens_it_outside_the_lock_and_off_the_
     system = SharedMemoryRegistry(shared_dir=str(tmp_path))
     system.cuda = b
     request = build_shm_request(x.shape, "voxnet", "FP32", "r")
-    assert not b.opened("r") and shared_memory_input_bytes(request, system) is None  # nothing to copy
+    assert b.status("r")[0].mapping is None and shared_memory_input_bytes(request, system) is None  # nothing to copy
     opens = fake.opens
     with pytest.raises(NotMappedHere):
         decode_request(request, SPEC, system, open_here=False)
-    assert fake.opens == opens and not b.opened("r") and b.status("r")[0].in_use == 0
+    assert fake.opens == opens and b.status("r")[0].mapping is None and b.status("r")[0].in_use == 0
     locked_while_opening = []
     opening = fake.open
 
@@ -508,7 +508,7 @@ def test_a_region_registered_anew_between_a_requests_checks_is_not_opened_on_the
         with Client(srv.url) as client:
             asyncio.run(other.register("r", fake.export(first.tobytes()), 0, first.nbytes))
             np.testing.assert_array_equal(client.infer_shared_memory(first.shape, "r"), _infer(srv, first))
-            assert registry.opened("r")  # mapped here by that first request
+            assert registry.status("r")[0].mapping is not None  # mapped here by that first request
             holds, armed = registry.holds, [True]
 
             def holds_then_registered_anew(name: str) -> bool:
@@ -582,7 +582,7 @@ def test_a_record_that_cannot_be_read_again_right_now_keeps_its_region(tmp_path,
     asyncio.run(a.register("r", fake.export(64), 0, 64))
     b.lease("r", 0, 8, "input").release()  # mapped in b
     monkeypatch.setattr(b, "_read_record", lambda name: None)
-    assert b.holds("r") and b.opened("r") and fake.closes == 0
+    assert b.holds("r") and b.status("r")[0].mapping is not None and fake.closes == 0
     asyncio.run(a.unregister(""))
 
 
