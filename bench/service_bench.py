@@ -238,28 +238,27 @@ def voxserve_rows(args, out: dict[str, list[LevelResult]], serve: list[str], nam
                   notes: list[str], spread: int = 1, full_json: bool = True) -> None:
     """The rows of one voxserve configuration (``voxserve serve`` with ``serve``), named ``name``, with and without
     batching (only batch 1 without), the full-batch levels over ``spread`` connections; only the tables asked for
-    (--tables), and a server only where one of its tables is."""
+    (--tables), and the server without batching only for batch 1's."""
     fp = args.full_processes  # load processes of the full-batch levels
     full, fp32, fp16, single, n32, n16, n1 = payloads
     d, load = args.duration, (args.processes, args.connections)
-    if wanted(args, *TITLES):
-        with ServerProcess(serve) as vox:
-            for c in args.full_concurrency if wanted(args, "full") else ():
-                out["full"].append(level(vox.url, fp32, args.batch, n32, c, name, d, fp, spread))
-            for c in args.full_concurrency if wanted(args, "fp16") else ():
-                out["fp16"].append(level(vox.url, fp16, args.batch, n16, c, name, d, fp, spread))
-            if wanted(args, "shm"):
-                payload, cleanup = setup_shared_memory(vox.url, full, "FP32", "voxnet")
-                try:
-                    for c in args.full_concurrency:
-                        out["shm"].append(level(vox.url, payload, args.batch, n32, c, name, d, fp, spread))
-                finally:
-                    cleanup()
-            if wanted(args, "batch1"):
-                out["batch1"].append(level(vox.url, single, 1, n1, 64, name, d, *load))
-            rest_rows(args, out, f"127.0.0.1:{vox.http_port}", full, name, full_json=full_json)
-            if args.device != "cpu":  # (with front ends, the engines map the regions)
-                cuda_rows(args, out, vox.url, full, notes, name, connections=spread)
+    with ServerProcess(serve) as vox:
+        for c in args.full_concurrency if wanted(args, "full") else ():
+            out["full"].append(level(vox.url, fp32, args.batch, n32, c, name, d, fp, spread))
+        for c in args.full_concurrency if wanted(args, "fp16") else ():
+            out["fp16"].append(level(vox.url, fp16, args.batch, n16, c, name, d, fp, spread))
+        if wanted(args, "shm"):
+            payload, cleanup = setup_shared_memory(vox.url, full, "FP32", "voxnet")
+            try:
+                for c in args.full_concurrency:
+                    out["shm"].append(level(vox.url, payload, args.batch, n32, c, name, d, fp, spread))
+            finally:
+                cleanup()
+        if wanted(args, "batch1"):
+            out["batch1"].append(level(vox.url, single, 1, n1, 64, name, d, *load))
+        rest_rows(args, out, f"127.0.0.1:{vox.http_port}", full, name, full_json=full_json)
+        if args.device != "cpu":  # (with front ends, the engines map the regions)
+            cuda_rows(args, out, vox.url, full, notes, name, connections=spread)
     if wanted(args, "batch1"):
         with ServerProcess([*serve, "--no-batching"]) as vox:
             out["batch1"].append(level(vox.url, single, 1, n1, 64, f"{name}, no batching", d, *load))
