@@ -609,11 +609,21 @@ class CompletionWatcher:
     def done(self, pending: Pending) -> asyncio.Future:
         """A future that is set once ``pending`` (submitted with notify=True, after every earlier one) finished."""
         future = self.loop.create_future()
+        self._track(pending, future)
+        return future
+
+    def abandon(self, pending: Pending) -> None:
+        """``pending`` (as for ``done``) whose caller has gone (a shutdown): its slot is released once it has
+        finished, as is that of each execution whose ``done`` future was cancelled."""
+        future = self.loop.create_future()
+        future.cancel()
+        self._track(pending, future)
+
+    def _track(self, pending: Pending, future: asyncio.Future) -> None:
         self._inflight.append((pending, future))
         self._check()  # it may have finished, and its wake-up been read, before it was handed over
         if self._inflight and self._poll is None:
             self._poll = self.loop.call_later(self.POLL_S, self._backstop)
-        return future
 
     def _wake(self) -> None:
         with contextlib.suppress(BlockingIOError):  # another wake-up read it first
@@ -629,16 +639,18 @@ class CompletionWatcher:
     def _check(self) -> None:
         while self._inflight:
             pending, future = self._inflight[0]
+            error: Exception | None = None
             try:
                 if not pending.events[-1].query():
                     return
             except Exception as exc:  # the device failed: this execution's error
-                self._inflight.popleft()
-                if not future.done():
-                    future.set_exception(exc)
-                continue
+                error = exc
             self._inflight.popleft()
-            if not future.done():
+            if future.cancelled():  # nobody collects it (a shutdown): its slot comes back now the device is done
+                self.pipeline.release(pending)
+            elif error is not None:
+                future.set_exception(error)
+            else:
                 future.set_result(None)
 
     def close(self) -> None:

@@ -12,10 +12,13 @@ executions, pipelined.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import contextlib
+import functools
 import logging
 from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import TypeVar, cast
+from typing import Any, TypeVar, cast
 
 import numpy as np
 import torch
@@ -195,40 +198,79 @@ class Runner:
         the submit thread: there the loop is the bottleneck, and enqueueing on it halved batch-1 throughput.
         Large host copies always go to the thread, and while one does, the next executions follow it there:
         one thread at a time enqueues, in order (CUDA graphs' input buffers are shared)."""
-        loop = asyncio.get_running_loop()
+        tracked: list[tuple[Any, asyncio.Future]] = []  # each enqueued execution and its end (the watcher's)
         waits: list[asyncio.Future] = []
-        failure: BaseException | None = None
-        for ex in executions:
-            worker.inflight += 1
-            try:
-                pending = None
-                if self.enqueue_on_loop and worker.submitting == 0:
-                    # None: no free slot now, or more than INLINE_BYTES to copy on the host
-                    pending = self._submit(worker, ex, datatype, wait_for_slot=False, max_host_copy=INLINE_BYTES)
-                if pending is None:
-                    worker.submitting += 1
-                    try:
-                        pending = await loop.run_in_executor(worker.submitter, self._submit, worker, ex, datatype)
-                    finally:
-                        worker.submitting -= 1
-            except BaseException as exc:
-                worker.inflight -= 1
-                failure = exc
-                break
-            if len(executions) == 1:  # (every batch the batcher forms: collected here, with no task or gather)
-                try:
-                    return [await self._collect(worker, pending)]
-                finally:
-                    worker.inflight -= 1
-            waits.append(asyncio.ensure_future(self._collect(worker, pending)))
+        failure: Exception | None = None
+        worker.inflight += len(executions)
         try:
+            for ex in executions:
+                try:
+                    pending = None
+                    if self.enqueue_on_loop and worker.submitting == 0:
+                        # None: no free slot now, or more than INLINE_BYTES to copy on the host
+                        pending = self._submit(worker, ex, datatype, wait_for_slot=False, max_host_copy=INLINE_BYTES)
+                    if pending is None:
+                        pending = await self._submit_on_thread(worker, ex, datatype)
+                except Exception as exc:  # those enqueued before are still collected, then this one fails the call
+                    failure = exc
+                    break
+                done = worker.watcher().done(pending)
+                tracked.append((pending, done))
+                if len(executions) == 1:  # (every batch the batcher forms: collected here, with no task or gather)
+                    return [await self._collect(worker, pending, done)]
+                waits.append(asyncio.ensure_future(self._collect(worker, pending, done)))
             results = await asyncio.gather(*waits, return_exceptions=True)
+        except asyncio.CancelledError:
+            self._abandon(worker, tracked)
+            raise
         finally:
-            worker.inflight -= len(waits)
+            worker.inflight -= len(executions)
         errors = [r for r in results if isinstance(r, BaseException)]
         if failure is not None or errors:
             raise failure if failure is not None else errors[0]
         return cast(list[np.ndarray], results)
+
+    async def _submit_on_thread(self, worker: DeviceWorker, arrays: list[np.ndarray], datatype: str):
+        """``_submit`` on the worker's thread. Cancelled meanwhile, the enqueue still runs to its end: until then
+        the thread counts as submitting (so no execution is enqueued on the loop beside it), and what it enqueued
+        is handed to the watcher unwaited for, which returns its slot once the device has finished with it."""
+        loop = asyncio.get_running_loop()
+        worker.submitting += 1
+        job = worker.submitter.submit(self._submit, worker, arrays, datatype)
+        try:
+            pending = await asyncio.wrap_future(job, loop=loop)
+        except asyncio.CancelledError:
+            job.add_done_callback(functools.partial(self._abandoned, worker, loop))
+            raise
+        except BaseException:
+            worker.submitting -= 1
+            raise
+        worker.submitting -= 1
+        return pending
+
+    @staticmethod
+    def _abandon(worker: DeviceWorker, tracked: list[tuple[Any, asyncio.Future]]) -> None:
+        """A cancelled call's enqueued executions (a shutdown): each slot comes back once the device has finished
+        with it, now for those that have (unless collected already: a slot is released once), from the watcher
+        for the others."""
+        for pending, done in tracked:
+            if not done.done():
+                done.cancel()
+            elif not done.cancelled():
+                done.exception()  # (retrieved: an execution's failure nobody is told of is not an error to log)
+                worker.model.gpu_pipeline.release(pending)
+
+    @staticmethod
+    def _abandoned(worker: DeviceWorker, loop: asyncio.AbstractEventLoop, job: concurrent.futures.Future) -> None:
+        """The end of an enqueue whose caller was cancelled (on the submit thread, or the loop if it had not
+        started)."""
+        def on_loop() -> None:
+            worker.submitting -= 1
+            if not job.cancelled() and job.exception() is None:
+                worker.watcher().abandon(job.result())
+
+        with contextlib.suppress(RuntimeError):  # the loop has closed: the process is ending
+            loop.call_soon_threadsafe(on_loop)
 
     def _run_sync(self, worker: DeviceWorker, arrays: list[np.ndarray], datatype: str) -> np.ndarray:
         """One CPU execution, start to finish, on the worker thread."""
@@ -263,10 +305,11 @@ class Runner:
         except Exception as exc:
             raise self._fault(worker, exc, arrays) from None
 
-    async def _collect(self, worker: DeviceWorker, pending) -> np.ndarray:
+    async def _collect(self, worker: DeviceWorker, pending, done: asyncio.Future) -> np.ndarray:
+        """``pending``'s output once ``done`` (its end, from the watcher), its slot back."""
         pipeline = worker.model.gpu_pipeline
         try:
-            await worker.watcher().done(pending)
+            await done
             y, input_ns, infer_ns, output_ns = pipeline.finish(pending)
         except Exception as exc:
             pipeline.release(pending)

@@ -7,6 +7,7 @@ tests/core/test_pipeline_gpu.py runs the same path against the real pipeline."""
 from __future__ import annotations
 
 import asyncio
+import time
 
 import numpy as np
 import pytest
@@ -98,25 +99,59 @@ def test_several_executions_of_one_call_are_collected_together_and_joined_in_ord
     assert pipeline.submitted == [8, 8, 4] and runner.workers[0].inflight == 0
 
 
+async def _until(condition, timeout_s: float = 10.0) -> None:
+    """Wait on the loop until ``condition()`` holds; a test that would hang fails instead."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not condition():
+        assert asyncio.get_running_loop().time() < deadline, "timed out"
+        await asyncio.sleep(0.001)
+
+
 @pytest.mark.parametrize("sizes", [[8], [5, 15]], ids=["one execution", "three executions"])
-def test_a_cancelled_execution_leaves_nothing_counted_in_flight(runner, sizes):
-    """Cancelled while its executions run (a shutdown), a call's executions no longer count as in flight on the
-    device (the least busy device is chosen by that count)."""
+@pytest.mark.parametrize("where", ["while they run", "during the last enqueue", "once they have finished"])
+def test_a_cancelled_execution_leaves_nothing_in_flight_and_its_slots_come_back(runner, sizes, where):
+    """Cancelled (a shutdown) while its executions run, while the submit thread enqueues the last of them, or once
+    they have finished but before they are collected, a call ends at once: its executions no longer count as in
+    flight (the least busy device is chosen by that count), and each slot comes back once the device has
+    finished with it (an enqueue the cancel interrupted runs to its end first, and nothing is enqueued on the
+    loop beside it meanwhile)."""
     pipeline = runner.model.gpu_pipeline
-    pipeline.hold.clear()  # the stream waits: the executions stay running
+    worker = runner.workers[0]
     arrays = _inputs(sizes)
+    executions = -(-sum(sizes) // 8)
+    if where == "during the last enqueue":
+        if runner.enqueue_on_loop:
+            pytest.skip("the loop enqueues these itself: nothing runs to be cancelled during an enqueue")
+        pipeline.gated.add(sum(sizes) - 8 * (executions - 1))
+    pipeline.hold.clear()  # the stream waits: the executions stay running
 
     async def go():
         task = asyncio.ensure_future(runner._execute(arrays, "FP32"))
-        while len(pipeline.submitted) < -(-sum(len(a) for a in arrays) // 8):
-            await asyncio.sleep(0.001)
-        assert runner.workers[0].inflight > 0
+        await _until(lambda: len(pipeline.submitted) == executions)
+        if where != "during the last enqueue":
+            await _until(lambda: pipeline.enqueued == executions)
+        if where == "once they have finished":  # waited for without letting the loop see their ends
+            pipeline.hold.set()
+            deadline = time.monotonic() + 10
+            while pipeline.finished < executions:
+                assert time.monotonic() < deadline, "timed out"
+                time.sleep(0.001)
+        else:
+            assert pipeline.released == 0
+        assert worker.inflight > 0
         task.cancel()
+        done, _ = await asyncio.wait([task], timeout=10)
+        assert done, "the cancelled call went on"
         with pytest.raises(asyncio.CancelledError):
-            await task
+            task.result()
+        assert worker.inflight == 0
+        pipeline.gate.set()
+        pipeline.hold.set()
+        await _until(lambda: pipeline.released == executions and worker.submitting == 0)
+        assert pipeline.finished == executions
 
     try:
         asyncio.run(go())
-        assert runner.workers[0].inflight == 0
     finally:
+        pipeline.gate.set()
         pipeline.hold.set()

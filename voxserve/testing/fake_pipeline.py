@@ -33,6 +33,7 @@ class FakePending:
     output: np.ndarray
     samples: int
     events: tuple = field(default_factory=lambda: (FakeEvent(),))
+    released: bool = False
 
 
 class FakePipeline:
@@ -53,12 +54,18 @@ class FakePipeline:
         self._closed = False
         self.hold = threading.Event()  # cleared: the stream stops after its current execution, until set again
         self.hold.set()
+        self.gated: set[int] = set()  # sample counts whose enqueue, once counted in submitted, waits for gate
+        self.gate = threading.Event()
+        self.enqueued = 0  # enqueues that have returned
+        self.finished = 0  # executions the stream has ended
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
 
     def submit(self, arrays, datatype, wait_for_slot=True, notify=True, max_host_copy=None):
         samples = sum(int(a.shape[0]) for a in arrays)
         self.submitted.append(samples)
+        if samples in self.gated:
+            self.gate.wait()
         if samples in self.fail_submit:
             raise RuntimeError("CUDA error: an enqueue the test refuses")
         x = np.concatenate([np.asarray(a, dtype=np.float32) for a in arrays])
@@ -69,13 +76,16 @@ class FakePipeline:
         with self._lock:
             self._stream.append(pending)
             self._lock.notify()
+        self.enqueued += 1
         return pending
 
     def finish(self, pending: FakePending):
         return pending.output.copy(), 0, 1000, 0
 
     def release(self, pending: FakePending) -> None:
-        self.released += 1
+        if not pending.released:  # (once, as the real pipeline's)
+            pending.released = True
+            self.released += 1
 
     def _run(self) -> None:
         while True:
@@ -88,10 +98,12 @@ class FakePipeline:
             self.hold.wait()
             threading.Event().wait(0.0005)  # the GPU's time
             pending.events[-1].finished = True
+            self.finished += 1
             os.eventfd_write(self.completion_fd, 1)
 
     def close(self) -> None:
         self.hold.set()
+        self.gate.set()
         with self._lock:
             self._closed = True
             self._lock.notify()
