@@ -327,12 +327,15 @@ class CudaSharedMemoryRegistry:
             lease.release()
 
     async def store(self, name: str, offset: int, data: bytes, what: str) -> None:
-        """``write``, for the inference path (a front end's registry sends it to the engine instead); off the event
-        loop when the region is yet to be opened in this process (a blocking open, and the handle's check)."""
+        """``write``, for the inference path (a front end's registry sends it to the engine instead); when the region
+        is yet to be opened in this process (a blocking open, and the handle's check), on the thread that opens
+        handles: off the event loop, and the outputs of many requests waiting for one open hold one thread, not
+        the default executor's (which reads shared-memory segments)."""
         try:
             self.write(name, offset, data, what, open_here=False)
         except NotMappedHere:
-            await asyncio.to_thread(self.write, name, offset, data, what)
+            await asyncio.get_running_loop().run_in_executor(self._opening_thread(), self.write, name, offset, data,
+                                                             what)
 
     def _open_here(self, region: CudaRegion, what: str) -> Mapping:
         """Open a region registered by another replica (under the region's ``opening`` lock: one open per region and

@@ -533,7 +533,8 @@ def test_a_region_registered_anew_between_a_requests_checks_is_not_opened_on_the
 def test_a_replicas_first_output_into_a_region_opens_it_off_the_event_loop(tmp_path):
     """An output into a region another replica registered (its input on the wire, or in another region) is this
     replica's first use of it: the open (and the handle's check, a read of the whole allocation) must not run on
-    the event loop, which every request of the replica waits on."""
+    the event loop, which every request of the replica waits on; it runs on the registry's one opening thread, so
+    outputs that wait for it hold that thread, not a share of the default executor's."""
     fake, a = _registry(shared_dir=str(tmp_path))
     _, b = _registry(shared_dir=str(tmp_path))
     b.devices = fake
@@ -547,6 +548,7 @@ def test_a_replicas_first_output_into_a_region_opens_it_off_the_event_loop(tmp_p
 
     loop_thread = asyncio.run(store())
     assert fake.contents(handle) == b"y" * 64 and fake.open_threads and loop_thread not in fake.open_threads
+    assert all(name.startswith("cuda-shm-open") for name in fake.open_threads), fake.open_threads
     asyncio.run(store())  # mapped here now: written inline
     asyncio.run(a.unregister(""))
 
