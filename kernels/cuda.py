@@ -232,30 +232,26 @@ def _check_devices(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) ->
 
 class _Prepared:
     """What forward() works out once per argument layout (the key of _layout_key), after checking the arguments
-    as the op does: the ctypes arrays, the workspace size, whether the specialised kernel runs and the launch's
-    fixed integer arguments."""
+    as the op does: the library's Layout of them, the workspace size, whether the specialised kernel runs, and
+    what each call reads as plain Python values (a ctypes field is slower to read)."""
 
-    __slots__ = ("cout", "device", "dtype_code", "fallback", "floats", "index", "k", "layout", "layout_ptr", "n",
-                 "precision_code", "sizes", "specialised", "strides")
+    __slots__ = ("cout", "device", "fallback", "floats", "index", "layout", "layout_ptr", "n", "specialised")
 
     def __init__(self, lib, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, precision: str) -> None:
         ops.check_arguments(x, weight, bias)
         check_precision(precision)
         _check_devices(x, weight, bias)
         self.n, cin = int(x.shape[0]), int(x.shape[1])
-        self.cout, self.k = int(weight.shape[0]), int(weight.shape[2])
+        self.cout, k = int(weight.shape[0]), int(weight.shape[2])
         self.device, self.index = x.device, x.get_device()
-        self.dtype_code, self.precision_code = _DTYPE_CODES[x.dtype], _PRECISION_CODES[precision]
-        self.specialised = bool(lib.voxserve_is_specialised(cin, self.cout, self.k))
+        self.specialised = bool(lib.voxserve_is_specialised(cin, self.cout, k))
         # Beyond the kernel's register budget: the reference on the GPU, same numbers, slower.
         self.fallback = self.cout > GENERAL_MAX_COUT and not self.specialised
-        self.sizes = (ctypes.c_longlong * 5)(*x.shape)
-        self.strides = (ctypes.c_longlong * 5)(*x.stride())
-        self.floats = lib.voxserve_workspace_floats(self.sizes, self.cout, self.k)
+        self.layout = Layout((ctypes.c_longlong * 5)(*x.shape), (ctypes.c_longlong * 5)(*x.stride()),
+                             _DTYPE_CODES[x.dtype], self.cout, k, _PRECISION_CODES[precision], self.index)
+        self.floats = lib.voxserve_workspace_floats(self.layout.sizes, self.cout, k)
         if self.floats < 0:
-            raise ValueError(f"shape {tuple(x.shape)} is invalid for kernel size {self.k}")
-        self.layout = Layout(self.sizes, self.strides, self.dtype_code, self.cout, self.k, self.precision_code,
-                             self.index)
+            raise ValueError(f"shape {tuple(x.shape)} is invalid for kernel size {k}")
         self.layout_ptr = ctypes.addressof(self.layout)  # (the struct lives as long as this)
 
 

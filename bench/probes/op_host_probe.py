@@ -82,9 +82,10 @@ def launch_parts(x, w, b):
     workspace = torch.empty(prep.floats, device=prep.device)
     w_host, b_host = fused_cuda._host_weights.get(w, b)
     stream = fused_cuda._raw_stream(prep.index)
-    head = (x.data_ptr(), prep.dtype_code, prep.sizes, prep.strides, prep.cout, prep.k, w.data_ptr(), b.data_ptr(),
+    layout = prep.layout
+    head = (x.data_ptr(), layout.dtype, layout.sizes, layout.strides, prep.cout, layout.k, w.data_ptr(), b.data_ptr(),
             w_host.data_ptr(), b_host.data_ptr(), out.data_ptr())
-    tail = (0, prep.precision_code, prep.index, stream)
+    tail = (0, layout.precision, prep.index, stream)
     two = (*head, workspace.data_ptr(), *tail)
     one = (*head, None, *tail)
     packed = (prep.layout_ptr, x.data_ptr(), w.data_ptr(), b.data_ptr(), w_host.data_ptr(), b_host.data_ptr(),
