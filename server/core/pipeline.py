@@ -604,6 +604,7 @@ class CompletionWatcher:
         self.loop = loop
         self._inflight: collections.deque[tuple[Pending, asyncio.Future]] = collections.deque()
         self._poll: asyncio.TimerHandle | None = None
+        self.closed = False
         loop.add_reader(pipeline.completion_fd, self._wake)
 
     def done(self, pending: Pending) -> asyncio.Future:
@@ -620,6 +621,9 @@ class CompletionWatcher:
         self._track(pending, future)
 
     def _track(self, pending: Pending, future: asyncio.Future) -> None:
+        if self.closed:  # (an enqueue abandoned at shutdown that ended after the runner closed)
+            self._settle(pending, future)
+            return
         self._inflight.append((pending, future))
         self._check()  # it may have finished, and its wake-up been read, before it was handed over
         if self._inflight and self._poll is None:
@@ -646,14 +650,33 @@ class CompletionWatcher:
             except Exception as exc:  # the device failed: this execution's error
                 error = exc
             self._inflight.popleft()
-            if future.cancelled():  # nobody collects it (a shutdown): its slot comes back now the device is done
-                self.pipeline.release(pending)
-            elif error is not None:
-                future.set_exception(error)
-            else:
-                future.set_result(None)
+            self._ended(pending, future, error)
+
+    def _ended(self, pending: Pending, future: asyncio.Future, error: Exception | None) -> None:
+        if future.cancelled():  # nobody collects it (a shutdown): its slot comes back now the device is done
+            self.pipeline.release(pending)
+        elif error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(None)
+
+    def _settle(self, pending: Pending, future: asyncio.Future) -> None:
+        """Wait for ``pending`` to end (blocking: only once closed, at a shutdown), then end it."""
+        error: Exception | None = None
+        try:
+            pending.events[-1].synchronize()
+        except Exception as exc:
+            error = exc
+        self._ended(pending, future, error)
 
     def close(self) -> None:
+        """No more wake-ups on the loop. The executions still in flight are waited for here (at most the pipeline's
+        depth: a shutdown), so each ends: its future resolved, or, nobody's, its slot released; as does any handed
+        over afterwards."""
+        self.closed = True
         self.loop.remove_reader(self.pipeline.completion_fd)
         if self._poll is not None:
             self._poll.cancel()
+            self._poll = None
+        while self._inflight:
+            self._settle(*self._inflight.popleft())

@@ -39,6 +39,13 @@ log = logging.getLogger(__name__)
 INLINE_BYTES = PARALLEL_COPY_BYTES  # what the loop copies is one memcpy
 
 
+def _retrieved(task: asyncio.Future) -> None:
+    """A cancelled call's collect task, done: its failure (if it had ended before the cancel) is nobody's to
+    hear, so asyncio does not log it as never retrieved."""
+    if not task.cancelled():
+        task.exception()
+
+
 def is_out_of_memory(exc: BaseException) -> bool:
     """torch's OutOfMemoryError (CUDA), Python's MemoryError, or the CPU allocator's RuntimeError."""
     return isinstance(exc, (torch.OutOfMemoryError, MemoryError)) or (
@@ -221,6 +228,9 @@ class Runner:
                 waits.append(asyncio.ensure_future(self._collect(worker, pending, done)))
             results = await asyncio.gather(*waits, return_exceptions=True)
         except asyncio.CancelledError:
+            for wait in waits:  # (cancelled during a later enqueue: gather did not cancel them)
+                wait.cancel()  # one whose execution has ended but that has yet to run finishes nothing now
+                wait.add_done_callback(_retrieved)
             self._abandon(worker, tracked)
             raise
         finally:

@@ -7,10 +7,18 @@ tests/core/test_pipeline_gpu.py runs the same path against the real pipeline."""
 from __future__ import annotations
 
 import asyncio
+import gc
+import logging
+import os
 import time
 
 import numpy as np
 import pytest
+
+try:
+    import uvloop
+except ImportError:  # (the test extra installs it)
+    uvloop = None
 
 from voxserve.server.core.batching import BatchingConfig
 from voxserve.server.core.errors import ServingError, Status
@@ -20,14 +28,25 @@ from voxserve.server.metrics import Metrics
 from voxserve.testing.fake_pipeline import FakeGpuModel, expected
 
 
+def _runner(enqueue_on_loop: bool, depth: int) -> Runner:
+    return Runner([FakeGpuModel(max_batch=8, depth=depth)], ModelStats(), Metrics("voxnet", gpu_metrics=False),
+                  BatchingConfig(True, 0.0, 4096), enqueue_on_loop=enqueue_on_loop)
+
+
+def _closed(runner: Runner) -> None:
+    """Close ``runner`` and its pipeline: every slot is back, none was read or released after it came back."""
+    pipeline = runner.model.gpu_pipeline
+    asyncio.run(runner.close())
+    pipeline.close()
+    assert not pipeline.violations
+    assert pipeline.free_slots == pipeline.depth
+
+
 @pytest.fixture(params=[False, True], ids=["submit thread", "enqueue on the loop"])
 def runner(request):
-    model = FakeGpuModel(max_batch=8)
-    runner = Runner([model], ModelStats(), Metrics("voxnet", gpu_metrics=False), BatchingConfig(True, 0.0, 4096),
-                    enqueue_on_loop=request.param)
+    runner = _runner(request.param, depth=4)  # (slots for each execution of a call: none waits for one)
     yield runner
-    asyncio.run(runner.close())
-    model.pipeline.close()
+    _closed(runner)
 
 
 def _inputs(sizes) -> list[np.ndarray]:
@@ -107,6 +126,14 @@ async def _until(condition, timeout_s: float = 10.0) -> None:
         await asyncio.sleep(0.001)
 
 
+def _spin(condition, timeout_s: float = 10.0) -> None:
+    """Wait until ``condition()`` holds without letting the event loop run."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.0005)
+
+
 @pytest.mark.parametrize("sizes", [[8], [5, 15]], ids=["one execution", "three executions"])
 @pytest.mark.parametrize("where", ["while they run", "during the last enqueue", "once they have finished"])
 def test_a_cancelled_execution_leaves_nothing_in_flight_and_its_slots_come_back(runner, sizes, where):
@@ -132,10 +159,7 @@ def test_a_cancelled_execution_leaves_nothing_in_flight_and_its_slots_come_back(
             await _until(lambda: pipeline.enqueued == executions)
         if where == "once they have finished":  # waited for without letting the loop see their ends
             pipeline.hold.set()
-            deadline = time.monotonic() + 10
-            while pipeline.finished < executions:
-                assert time.monotonic() < deadline, "timed out"
-                time.sleep(0.001)
+            _spin(lambda: pipeline.finished == executions)
         else:
             assert pipeline.released == 0
         assert worker.inflight > 0
@@ -155,3 +179,75 @@ def test_a_cancelled_execution_leaves_nothing_in_flight_and_its_slots_come_back(
     finally:
         pipeline.gate.set()
         pipeline.hold.set()
+
+
+LOOPS = {"asyncio": asyncio.run, "uvloop": uvloop.run} if uvloop is not None else {"asyncio": asyncio.run}
+
+
+@pytest.mark.parametrize("run", LOOPS.values(), ids=LOOPS.keys())
+@pytest.mark.parametrize("enqueue_on_loop", [False, True], ids=["submit thread", "enqueue on the loop"])
+def test_a_cancel_just_ahead_of_the_devices_wake_up_reads_no_slot_that_came_back(enqueue_on_loop, run):
+    """Two slots, a call of three executions: the third waits on the submit thread for a slot. The first two end,
+    and the cancel comes from an I/O callback that runs just ahead of the watcher's wake-up (both ready in one
+    turn of the loop): the watcher has ended their futures but their collects have yet to run. Their slots come
+    back (the waiting enqueue takes one at once), so the collects must not then read them: cancelled with the
+    call, they finish nothing; the third execution's slot comes back once it has ended."""
+    runner = _runner(enqueue_on_loop, depth=2)
+    pipeline, worker = runner.model.gpu_pipeline, runner.workers[0]
+    pipeline.hold.clear()
+    other = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+
+    async def go():
+        loop = asyncio.get_running_loop()
+        task = asyncio.ensure_future(runner._execute(_inputs([5, 15]), "FP32"))
+
+        def cancel() -> None:
+            loop.remove_reader(other)
+            task.cancel()
+
+        loop.add_reader(other, cancel)
+        await _until(lambda: pipeline.waiting == 1)  # the third enqueue, for a slot
+        os.eventfd_write(other, 1)  # ready first
+        pipeline.hold.set()
+        _spin(lambda: pipeline.finished == 2)  # and the wake-ups after it, in the same turn
+        done, _ = await asyncio.wait([task], timeout=10)
+        assert done and task.cancelled()
+        await _until(lambda: pipeline.finished == 3 and pipeline.free_slots == 2 and worker.submitting == 0)
+        assert worker.inflight == 0 and not pipeline.violations
+
+    try:
+        run(go())
+    finally:
+        pipeline.hold.set()
+        os.close(other)
+        _closed(runner)
+
+
+def test_a_cancelled_call_whose_executions_failed_logs_no_error_nobody_retrieved(caplog):
+    """The first two executions of a call fail on the device and are collected (the call keeps their errors), then
+    the call is cancelled during its last enqueue: nobody is told of those errors, and asyncio logs none of them
+    as never retrieved."""
+    runner = _runner(False, depth=4)
+    pipeline = runner.model.gpu_pipeline
+    pipeline.fail_event.add(8)
+    pipeline.gated.add(4)
+
+    async def go():
+        task = asyncio.ensure_future(runner._execute(_inputs([5, 15]), "FP32"))
+        await _until(lambda: len(pipeline.submitted) == 3 and pipeline.released == 2)  # the failures collected
+        await asyncio.sleep(0.01)
+        task.cancel()
+        done, _ = await asyncio.wait([task], timeout=10)
+        assert done and task.cancelled()
+        pipeline.gate.set()
+        await _until(lambda: pipeline.free_slots == 4 and runner.workers[0].submitting == 0)
+
+    try:
+        with caplog.at_level(logging.ERROR, logger="asyncio"):
+            asyncio.run(go())
+            gc.collect()
+    finally:
+        pipeline.gate.set()
+        _closed(runner)
+    assert runner.model.recovered == 2
+    assert not [r for r in caplog.records if r.name == "asyncio"], [r.getMessage() for r in caplog.records]

@@ -1,13 +1,17 @@
 """A GPU pipeline and model for server/core/runner.py's GPU path without a GPU: executions end in order on one
 "stream" (a thread), each a moment after it was enqueued, and signal the completion watcher's eventfd as the real
-pipeline's host function does; a sample's output is the mean of its voxels, COUT times. A test can make an enqueue
-or an execution of a given sample count fail. tests/core/test_runner_gpu_path.py drives the runner with it, and
+pipeline's host function does; a sample's output is the mean of its voxels, COUT times. As the real pipeline, it
+has ``depth`` slots: an enqueue takes one (waiting for it, or None without ``wait_for_slot``), ``finish`` and
+``release`` give it back, once; a slot read or released after it came back is recorded in ``violations`` (on the
+GPU the next execution would be overwriting it). A test can make an enqueue or an execution of a given sample count
+fail, or an enqueue wait at a gate. tests/core/test_runner_gpu_path.py drives the runner with it, and
 bench/probes/runner_calls.py counts the Python calls per request it takes.
 """
 
 from __future__ import annotations
 
 import os
+import queue
 import threading
 from dataclasses import dataclass, field
 
@@ -21,17 +25,27 @@ class FakeEvent:
     def __init__(self) -> None:
         self.finished = False
         self.error: Exception | None = None
+        self._ended = threading.Event()
+
+    def end(self) -> None:
+        self.finished = True
+        self._ended.set()
 
     def query(self) -> bool:
         if self.error is not None:
             raise self.error
         return self.finished
 
+    def synchronize(self) -> None:
+        self._ended.wait()
+        self.query()
+
 
 @dataclass
 class FakePending:
     output: np.ndarray
     samples: int
+    slot: int = -1
     events: tuple = field(default_factory=lambda: (FakeEvent(),))
     released: bool = False
 
@@ -40,37 +54,61 @@ class FakePipeline:
     """Executions end in order on one "stream" (a thread), each a moment after it was enqueued; the output of a
     sample is the mean of its voxels, COUT times."""
 
-    depth = 2
     native = None
 
-    def __init__(self) -> None:
+    def __init__(self, depth: int = 2) -> None:
+        self.depth = depth
         self.completion_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
         self.fail_submit: set[int] = set()  # sample counts whose enqueue raises
         self.fail_event: set[int] = set()  # sample counts whose execution ends in an error
-        self.submitted: list[int] = []
-        self.released = 0
+        self.gated: set[int] = set()  # sample counts whose enqueue, once counted in submitted, waits for gate
+        self.gate = threading.Event()
+        self.submitted: list[int] = []  # the sample counts of the enqueues that got a slot
+        self.waiting = 0  # enqueues waiting for a slot now
+        self.enqueued = 0  # enqueues that have returned
+        self.finished = 0  # executions the stream has ended
+        self.released = 0  # slots given back by release() (finish() gives its own back too)
+        self.violations: list[str] = []
+        self._free: queue.Queue[int] = queue.Queue()
+        for slot in range(depth):
+            self._free.put(slot)
         self._stream: list[FakePending] = []
         self._lock = threading.Condition()
         self._closed = False
         self.hold = threading.Event()  # cleared: the stream stops after its current execution, until set again
         self.hold.set()
-        self.gated: set[int] = set()  # sample counts whose enqueue, once counted in submitted, waits for gate
-        self.gate = threading.Event()
-        self.enqueued = 0  # enqueues that have returned
-        self.finished = 0  # executions the stream has ended
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
 
+    @property
+    def free_slots(self) -> int:
+        return self._free.qsize()
+
     def submit(self, arrays, datatype, wait_for_slot=True, notify=True, max_host_copy=None):
         samples = sum(int(a.shape[0]) for a in arrays)
-        self.submitted.append(samples)
-        if samples in self.gated:
-            self.gate.wait()
-        if samples in self.fail_submit:
-            raise RuntimeError("CUDA error: an enqueue the test refuses")
-        x = np.concatenate([np.asarray(a, dtype=np.float32) for a in arrays])
+        if wait_for_slot:
+            self.waiting += 1
+            try:
+                slot = self._free.get()
+            finally:
+                self.waiting -= 1
+        else:
+            try:
+                slot = self._free.get_nowait()
+            except queue.Empty:
+                return None
+        try:
+            self.submitted.append(samples)
+            if samples in self.gated:
+                self.gate.wait()
+            if samples in self.fail_submit:
+                raise RuntimeError("CUDA error: an enqueue the test refuses")
+            x = np.concatenate([np.asarray(a, dtype=np.float32) for a in arrays])
+        except BaseException:
+            self._free.put(slot)
+            raise
         means = x.reshape(samples, -1).mean(axis=1, dtype=np.float64).astype(np.float32)
-        pending = FakePending(np.repeat(means[:, None], COUT, axis=1), samples)
+        pending = FakePending(np.repeat(means[:, None], COUT, axis=1), samples, slot)
         if samples in self.fail_event:
             pending.events[-1].error = RuntimeError("CUDA error: an execution the test fails")
         with self._lock:
@@ -80,12 +118,27 @@ class FakePipeline:
         return pending
 
     def finish(self, pending: FakePending):
-        return pending.output.copy(), 0, 1000, 0
+        self._check_live(pending, "finish")
+        if not pending.events[-1].finished:
+            self.violations.append(f"finish() of a {pending.samples}-sample execution still running")
+        output = pending.output.copy()
+        self._give_back(pending)
+        return output, 0, 1000, 0
 
     def release(self, pending: FakePending) -> None:
         if not pending.released:  # (once, as the real pipeline's)
-            pending.released = True
+            if not pending.events[-1].finished and pending.events[-1].error is None:
+                self.violations.append(f"release() of a {pending.samples}-sample execution still running")
             self.released += 1
+            self._give_back(pending)
+
+    def _check_live(self, pending: FakePending, what: str) -> None:
+        if pending.released:
+            self.violations.append(f"{what}() of a {pending.samples}-sample execution whose slot came back")
+
+    def _give_back(self, pending: FakePending) -> None:
+        pending.released = True
+        self._free.put(pending.slot)
 
     def _run(self) -> None:
         while True:
@@ -97,7 +150,7 @@ class FakePipeline:
                 pending = self._stream.pop(0)
             self.hold.wait()
             threading.Event().wait(0.0005)  # the GPU's time
-            pending.events[-1].finished = True
+            pending.events[-1].end()
             self.finished += 1
             os.eventfd_write(self.completion_fd, 1)
 
@@ -114,10 +167,10 @@ class FakePipeline:
 class FakeGpuModel:
     """What the runner asks of a model on a GPU."""
 
-    def __init__(self, max_batch: int) -> None:
+    def __init__(self, max_batch: int, depth: int = 2) -> None:
         self.device = torch.device("cuda", 0)  # (only named: nothing runs on it)
         self.max_batch = max_batch
-        self.pipeline = self.gpu_pipeline = FakePipeline()
+        self.pipeline = self.gpu_pipeline = FakePipeline(depth)
         self.recovered = 0
 
     def recover(self) -> str | None:
