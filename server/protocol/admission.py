@@ -94,7 +94,8 @@ class RpcLimiter:
         if handler.unary_unary:
             return grpc.unary_unary_rpc_method_handler(self._unary(method, handler.unary_unary), **kwargs)
         if handler.stream_unary:
-            return grpc.stream_unary_rpc_method_handler(self._unary(method, handler.stream_unary), **kwargs)
+            return grpc.stream_unary_rpc_method_handler(self._awaiting_message(method, handler.stream_unary),
+                                                        **kwargs)
         if handler.unary_stream:
             return grpc.unary_stream_rpc_method_handler(self._streaming(method, handler.unary_stream), **kwargs)
         return grpc.stream_stream_rpc_method_handler(
@@ -171,6 +172,23 @@ class RpcLimiter:
 
         return limited
 
+    def _awaiting_message(self, method: str, behavior):
+        """A call that reads its one message itself (ModelInfer: admitted at its headers). Until the message has come
+        (``in_progress()``, from the handler), it holds its slot as an idle stream does: one that has sent nothing for
+        PREEMPT_IDLE_S may be ended for another connection's call, so calls opened and left without a message lock
+        nobody out; once the message is in, the call is never ended for another."""
+        async def limited(request, context):
+            call = await self._admit(method, context, streaming=True)
+            _current.set(call)  # the call's task is its own: nothing to reset
+            try:
+                return await behavior(request, context)
+            except asyncio.CancelledError:
+                await _ended_for_another(call, context)
+            finally:
+                self._release(call)
+
+        return limited
+
     def _streaming(self, method: str, behavior, reads: bool = False):
         async def limited(request, context):
             call = await self._admit(method, context, streaming=True)
@@ -183,16 +201,33 @@ class RpcLimiter:
                 else:  # a coroutine that writes with context.write (grpc_health's Watch)
                     await result
             except asyncio.CancelledError:
-                if call.preempted is None or call.on_preempt is not None:
-                    raise
-                uncancel = getattr(asyncio.current_task(), "uncancel", None)  # Python 3.11+ counts cancellations
-                if uncancel is not None:
-                    uncancel()
-                await context.abort(grpc.StatusCode.UNAVAILABLE, call.preempted)
+                await _ended_for_another(call, context)
             finally:
                 self._release(call)
 
         return limited
+
+
+def in_progress() -> None:
+    """The running handler's call has its work in hand (ModelInfer's message has come): never ended for another."""
+    call = _current.get()
+    if call is not None:
+        call.busy = _busy
+
+
+def _busy() -> bool:
+    return True
+
+
+async def _ended_for_another(call: Call, context) -> None:
+    """In a limited handler cancelled (raise on from here): a call whose slot went to another connection's (and that
+    has no graceful ending of its own) is answered UNAVAILABLE with the reason; any other cancel goes on."""
+    if call.preempted is None or call.on_preempt is not None:
+        raise asyncio.CancelledError
+    uncancel = getattr(asyncio.current_task(), "uncancel", None)  # Python 3.11+ counts cancellations
+    if uncancel is not None:
+        uncancel()
+    await context.abort(grpc.StatusCode.UNAVAILABLE, call.preempted)
 
 
 async def _touching(requests: AsyncIterator, call: Call) -> AsyncIterator:

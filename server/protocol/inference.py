@@ -27,7 +27,7 @@ from ..core.batching import BatchResult, DeadlineExceeded, QueueFull, Stopped
 from ..core.errors import ServingError, Status, internal, invalid, runner_error, unavailable
 from ..metrics import INPUT_PATHS, Metrics
 from . import codec
-from .admission import ByteBudget, current_call
+from .admission import ByteBudget, current_call, in_progress
 from .service import SERVICE_NAME, MalformedRequest, ServingState
 from .shm import SharedMemoryRegistry
 from .status import grpc_code
@@ -130,7 +130,9 @@ class InferenceService:
         try:
             parsed = await context.read()
         except asyncio.CancelledError:  # the call ended (its deadline, the client) while its message arrived
-            code = self._end_code(context, deadline, slack_s, Status.CANCELLED)
+            admitted = current_call()  # or its slot went to another connection's call (admission.py)
+            code = (Status.UNAVAILABLE if admitted is not None and admitted.preempted is not None
+                    else self._end_code(context, deadline, slack_s, Status.CANCELLED))
             self.metrics.count_request(code.name)
             if self._observed:
                 self._observe(context, INFER, None, code, "the call ended before its message arrived", None, None,
@@ -144,6 +146,7 @@ class InferenceService:
                 self._observe(context, INFER, None, code, "the request message was not received", None, None,
                               (started, 0, 0, time.perf_counter_ns()))
             await self._abort(context, code, "the request message was not received")
+        in_progress()  # (from now on, never ended for another call)
         try:
             return await self.infer(parsed, deadline, slack_s, context)
         except ServingError as exc:

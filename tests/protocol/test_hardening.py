@@ -251,6 +251,92 @@ def test_idle_streams_over_many_connections_yield_their_slots_to_others(monkeypa
         asyncio.run(attack())
 
 
+def test_infer_calls_that_never_send_their_message_lock_nobody_out(monkeypatch):
+    """ModelInfer calls opened and left without their message (no deadline) fill the server from two connections:
+    another connection's calls are still served (health, and inference), each taking the slot of the longest
+    waiting call of the connection holding the most, which ends UNAVAILABLE saying why; that connection's own
+    new call is refused, and a call whose message has come is never ended for another."""
+    monkeypatch.setattr(admission, "PREEMPT_IDLE_S", 0.05)
+    with running_server(max_concurrent_rpcs=8, max_streams_per_connection=8) as srv:
+        assert srv.wait_ready()
+
+        async def attack():
+            never = asyncio.Event()
+
+            async def nothing():
+                await never.wait()
+                yield pb.ModelInferRequest()  # pragma: no cover - never reached
+
+            def silent(channel, count: int) -> list:
+                infer = channel.stream_unary("/inference.GRPCInferenceService/ModelInfer",
+                                             request_serializer=pb.ModelInferRequest.SerializeToString,
+                                             response_deserializer=pb.ModelInferResponse.FromString)
+                return [infer(nothing()) for _ in range(count)]
+
+            a, b, c = _connection(srv.url), _connection(srv.url), _connection(srv.url)
+            held = [(a, silent(a, 5)), (b, silent(b, 3)), (c, [])]
+            try:
+                await _wait_for_active(srv, 8)
+                await asyncio.sleep(0.1)
+                x = _x()
+
+                async def infer(channel) -> np.ndarray:
+                    stub = pb_grpc.GRPCInferenceServiceStub(channel)
+                    return parse_response(await stub.ModelInfer(build_request(x, "voxnet", "FP32"), timeout=10))
+
+                with pytest.raises(grpc.aio.AioRpcError) as err:  # A holds the most: refused, nothing ended
+                    await infer(a)
+                assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+                assert srv.server.limiter.preempted == 0
+                ready = await pb_grpc.GRPCInferenceServiceStub(c).ServerReady(pb.ServerReadyRequest(), timeout=10)
+                assert ready.ready and srv.server.limiter.preempted == 1  # (A: 4 left)
+                d = _connection(srv.url)
+                held.append((d, silent(d, 1)))  # full again
+                await _wait_for_active(srv, 8)
+                await asyncio.sleep(0.1)
+                assert _relerr(await infer(c), x) <= FP32_TOL
+                assert srv.server.limiter.preempted == 2  # (A: 3 left)
+                ended = [call for call in held[0][1] if call.done()]
+                assert len(ended) == 2 and not any(call.done() for _, calls in held[1:] for call in calls)
+                for call in ended:
+                    with pytest.raises(grpc.aio.AioRpcError) as err:
+                        await call
+                    assert err.value.code() == grpc.StatusCode.UNAVAILABLE and "its share" in err.value.details()
+                assert _counted(srv, "UNAVAILABLE") == 2
+            finally:
+                await _hang_up(*held)
+
+        asyncio.run(attack())
+
+
+def test_an_infer_call_whose_message_has_come_is_never_ended_for_another(monkeypatch):
+    """Both slots held by one connection's ModelInfer calls, their requests in hand (waiting for their batch to
+    fill): another connection's call is refused, and they are answered."""
+    monkeypatch.setattr(admission, "PREEMPT_IDLE_S", 0.05)
+    with running_server(max_concurrent_rpcs=2, max_streams_per_connection=4, max_queue_delay_ms=1500,
+                        max_batch=64) as srv:
+        assert srv.wait_ready()
+
+        async def go():
+            a, c = _connection(srv.url), _connection(srv.url)
+            try:
+                x = _x()
+                stub = pb_grpc.GRPCInferenceServiceStub(a)
+                calls = [stub.ModelInfer(build_request(x, "voxnet", "FP32"), timeout=30) for _ in range(2)]
+                await _wait_for_active(srv, 2)
+                await asyncio.sleep(0.3)
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    await pb_grpc.GRPCInferenceServiceStub(c).ServerReady(pb.ServerReadyRequest(), timeout=10)
+                assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+                for call in calls:
+                    assert _relerr(parse_response(await call), x) <= FP32_TOL
+                assert srv.server.limiter.preempted == 0
+            finally:
+                await _hang_up((a, ()), (c, ()))
+
+        asyncio.run(go())
+
+
 def test_an_idle_stream_ends_gracefully_for_another_and_a_busy_one_never(monkeypatch):
     monkeypatch.setattr(admission, "PREEMPT_IDLE_S", 0.05)
     with running_server(max_concurrent_rpcs=2, max_streams_per_connection=4, max_queue_delay_ms=1500,
