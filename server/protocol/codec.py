@@ -19,6 +19,7 @@ from voxserve.proto import pb
 
 from ..core.devicemem import DeviceArray, RegionTensor
 from ..core.errors import ServingError, exhausted, invalid, not_found, shown, unimplemented
+from . import wire
 from .cudashm import MAP_ROUNDS, NotMappedHere
 
 if TYPE_CHECKING:
@@ -256,7 +257,7 @@ def decode_request(request: pb.ModelInferRequest, spec: ModelSpec, shm=None,
     if len(values) != elements:
         raise invalid(f"input '{INPUT_NAME}' shape {list(shape)} needs {elements} values; contents.fp32_contents "
                       f"holds {len(values)}")
-    return InferInput(np.asarray(values, dtype=np.float32).reshape(shape), datatype, True, output_shm)
+    return InferInput(wire.packed_floats(tensor.contents).reshape(shape), datatype, True, output_shm)
 
 
 async def decode_mapped(request: pb.ModelInferRequest, spec: ModelSpec, shm=None,

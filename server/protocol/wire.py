@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+
 from voxserve.proto import pb
 
 RAW_FIELD = pb.ModelInferRequest.DESCRIPTOR.fields_by_name["raw_input_contents"].number
@@ -99,3 +101,19 @@ def parse_infer_request(data: bytes, whole_below: int = WHOLE_PARSE_BYTES) -> In
         return InferRequest(message, raw)
     rest, raw = split
     return InferRequest(pb.ModelInferRequest.FromString(rest), raw)
+
+
+def packed_floats(contents: pb.InferTensorContents) -> np.ndarray:
+    """``contents.fp32_contents`` (its only field set) as float32, read from its wire form: converting the repeated
+    field takes a Python float per value (1.5 s for 10M values on the 2-core box, the event loop held all along),
+    serialising it back and viewing the packed floats 0.08 s."""
+    data = contents.SerializeToString()  # proto3: one packed field, its tag, its length, the little-endian floats
+    if not data:
+        return np.empty(0, np.float32)
+    length = _varint(data, 1)
+    if data[0] != _FP32_TAG or length is None or length[1] + length[0] != len(data):
+        raise ValueError("contents other than fp32_contents alone")
+    return np.frombuffer(data, "<f4", count=length[0] // 4, offset=length[1])
+
+
+_FP32_TAG = pb.InferTensorContents.DESCRIPTOR.fields_by_name["fp32_contents"].number << 3 | _LENGTH_DELIMITED

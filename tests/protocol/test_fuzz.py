@@ -165,6 +165,22 @@ def test_zero_copy_parser_views_the_received_bytes():
     assert np.array_equal(np.frombuffer(parsed.raw[0], np.float32).reshape(x.shape), x)
 
 
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.floats(width=32, allow_nan=True, allow_infinity=True), max_size=300)
+       | st.integers(0, 70_000).map(lambda n: np.random.default_rng(n).standard_normal(n, dtype=np.float32).tolist()))
+def test_typed_contents_read_from_their_wire_form_are_the_fields_values(values):
+    """contents.fp32_contents read from its packed wire form (wire.packed_floats) holds the very bits of the
+    repeated field, however many values (lengths whose varint takes one to three bytes), -0.0, infinities, NaNs;
+    parsed from a client's bytes as from a message built here."""
+    from voxserve.server.protocol.wire import packed_floats
+
+    contents = pb.InferTensorContents(fp32_contents=values)
+    for message in (contents, pb.InferTensorContents.FromString(contents.SerializeToString())):
+        got = packed_floats(message)
+        assert got.dtype == np.float32 and got.shape == (len(values),)
+        assert got.tobytes() == np.asarray(message.fp32_contents, dtype=np.float32).tobytes()
+
+
 def test_mutated_requests_on_one_stream_get_in_band_answers(server):
     """ModelStreamInfer: each mutated message gets its own answer on the stream (a response or an error
     message naming an allowed status), and the stream itself ends OK."""
