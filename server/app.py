@@ -72,7 +72,7 @@ class VoxServer:
         self.access_log = logs.AccessLog(settings.access_log_sample_rate) if settings.access_log else None
         self.service = InferenceService(self.state, self.metrics, settings.model_name, settings.model_version,
                                         self.shm, settings.stream_idle_timeout_s, settings.max_shm_inflight_bytes,
-                                        self.tracer, self.access_log)
+                                        self.tracer, self.access_log, settings.max_message_bytes)
         self.control = ControlService(self.state, settings.model_name, settings.model_version, self.shm)
         self.cuda_shm: CudaSharedMemoryRegistry | None = None
         if device_memory is not None:

@@ -89,17 +89,26 @@ class HttpCall:
         return self.remote
 
 
+def _held_bytes(request: InferRequest | MalformedRequest) -> int:
+    """The memory a request received holds until it is answered: its message and its tensor bytes."""
+    if isinstance(request, MalformedRequest):
+        return request.nbytes
+    return request.message.ByteSize() + sum(len(raw) for raw in request.raw)
+
+
 class InferenceService:
     def __init__(self, state: ServingState, metrics: Metrics, model_name: str, model_version: str,
                  shm: SharedMemoryRegistry | None = None, stream_idle_timeout_s: float = 0.0,
                  max_shm_inflight_bytes: int = 2**31, tracer: tracing.Tracer | None = None,
-                 access_log: AccessLog | None = None) -> None:
+                 access_log: AccessLog | None = None, max_message_bytes: int = 2**31) -> None:
         self.shm = shm
         self.state = state
         self.metrics = metrics
         self.model_name = model_name
         self.model_version = model_version
         self.stream_idle_timeout_s = stream_idle_timeout_s
+        # What one stream's requests taken in and not yet answered may hold: as much as one request may be.
+        self.stream_window_bytes = max_message_bytes
         self._streams: set[_Stream] = set()
         # The server's private copies of shared-memory inputs, held from the copy until the copy is freed.
         self.shm_budget = ByteBudget(max_shm_inflight_bytes, "shared-memory input", "--max-shm-inflight-bytes")
@@ -175,16 +184,19 @@ class InferenceService:
 
     async def ModelStreamInfer(self, request_iterator, context) -> AsyncIterator[pb.ModelStreamInferResponse]:
         """Requests on one stream run concurrently (so they batch with each other and with everyone else's)
-        and are answered in the order they came. At most STREAM_WINDOW are taken in at a time: past that the
-        stream is not read until the oldest has been answered, so a client that sends without reading is
-        held back by HTTP/2 flow control, not buffered. Errors go in the message, not the stream's status,
-        so one bad request does not end the stream. A stream with nothing in progress that receives nothing for
+        and are answered in the order they came. At most STREAM_WINDOW are taken in at a time, holding at most
+        --max-message-bytes between them (one request always): past that the stream is not read until the oldest
+        have been answered, so a client that sends without reading is held back by HTTP/2 flow control, not
+        buffered, and a stream holds no more memory than one call may. Errors go in the message, not the stream's
+        status, so one bad request does not end the stream. A stream with nothing in progress that receives nothing for
         --stream-idle-timeout-s, and every stream when the server drains, stops being read: what it has in
         progress is answered, then it ends UNAVAILABLE."""
         loop = asyncio.get_running_loop()
         stream = _Stream(loop.time())
         window = asyncio.Semaphore(STREAM_WINDOW)
+        room = ByteBudget(self.stream_window_bytes, "a stream's request", "--max-message-bytes")
         pending: collections.deque[asyncio.Task] = collections.deque()  # in the order they came
+        held: collections.deque[int] = collections.deque()  # the bytes of each of them
         arrived = asyncio.Event()
         reading = True
 
@@ -194,6 +206,9 @@ class InferenceService:
                 async for request in request_iterator:
                     stream.last_message = loop.time()
                     await window.acquire()
+                    nbytes = min(_held_bytes(request), room.limit)
+                    await room.acquire(nbytes)
+                    held.append(nbytes)
                     pending.append(asyncio.ensure_future(self._stream_answer(request, context)))
                     arrived.set()
             finally:
@@ -220,6 +235,7 @@ class InferenceService:
                 finally:
                     pending.popleft().cancel()  # a no-op once answered; the work of a dropped stream stops
                     window.release()
+                    room.release(held.popleft())
                     if admitted is not None:  # an answer is activity: the client's next message may follow
                         admitted.touch()
             if stream.close_reason is not None:

@@ -337,6 +337,46 @@ def test_an_infer_call_whose_message_has_come_is_never_ended_for_another(monkeyp
         asyncio.run(go())
 
 
+def test_a_stream_holds_no_more_request_bytes_than_one_call_may():
+    """Requests padded with a large unknown parameter, written on one stream without waiting for answers: the
+    stream takes in no more of them at once than --max-message-bytes holds (here one, each being over half of it),
+    while each waits for its batch to fill; all are answered, in order."""
+    with running_server(max_message_bytes=1 << 20, max_queue_delay_ms=300, max_batch=64) as srv:
+        assert srv.wait_ready()
+        batcher = srv.server.state.runner.batcher
+        x = _x(1)
+
+        async def go():
+            channel = _connection(srv.url)
+            try:
+                stream = pb_grpc.GRPCInferenceServiceStub(channel).ModelStreamInfer()
+                for i in range(4):
+                    request = build_request(x, "voxnet", "FP32", request_id=str(i))
+                    request.parameters["padding"].string_param = "p" * (600 << 10)
+                    await stream.write(request)
+                await stream.done_writing()
+                depths: list[int] = []
+                answers: list[pb.ModelStreamInferResponse] = []
+
+                async def watch() -> None:
+                    while len(answers) < 4:
+                        depths.append(batcher.depth)
+                        await asyncio.sleep(0.005)
+
+                watcher = asyncio.ensure_future(watch())
+                async for response in stream:
+                    answers.append(response)
+                await watcher
+                assert [a.infer_response.id for a in answers] == ["0", "1", "2", "3"]
+                assert not any(a.error_message for a in answers)
+                assert all(_relerr(parse_response(a.infer_response), x) <= FP32_TOL for a in answers)
+                assert max(depths) == 1, depths
+            finally:
+                await channel.close()
+
+        asyncio.run(go())
+
+
 def test_an_idle_stream_ends_gracefully_for_another_and_a_busy_one_never(monkeypatch):
     monkeypatch.setattr(admission, "PREEMPT_IDLE_S", 0.05)
     with running_server(max_concurrent_rpcs=2, max_streams_per_connection=4, max_queue_delay_ms=1500,
