@@ -203,6 +203,19 @@ async def _ended_for_another(call) -> bool:
         return True
 
 
+async def _infer_on(channel, x: np.ndarray) -> np.ndarray:
+    stub = pb_grpc.GRPCInferenceServiceStub(channel)
+    return parse_response(await stub.ModelInfer(build_request(x, "voxnet", "FP32"), timeout=10))
+
+
+async def _refused_holding_the_most(srv, channel, x: np.ndarray) -> None:
+    """The server full, a call of the connection holding the most slots: refused, and nothing ended for it."""
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await _infer_on(channel, x)
+    assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert srv.server.limiter.preempted == 0
+
+
 def test_idle_streams_over_many_connections_yield_their_slots_to_others(monkeypatch):
     """The server full of idle streams from two connections: every other connection is still served, taking its
     slot from the connection holding the most; a connection that already holds the most is refused."""
@@ -219,16 +232,9 @@ def test_idle_streams_over_many_connections_yield_their_slots_to_others(monkeypa
                 await asyncio.sleep(0.1)
                 x = _x()
 
-                async def infer(channel) -> np.ndarray:
-                    stub = pb_grpc.GRPCInferenceServiceStub(channel)
-                    return parse_response(await stub.ModelInfer(build_request(x, "voxnet", "FP32"), timeout=10))
-
-                with pytest.raises(grpc.aio.AioRpcError) as err:  # A holds the most: refused, nothing ended
-                    await infer(a_channel)
-                assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-                assert srv.server.limiter.preempted == 0
+                await _refused_holding_the_most(srv, a_channel, x)  # A
                 # B is served, and ends one of A's watchers (5 -> 4): the server has room again.
-                assert _relerr(await infer(b_channel), x) <= FP32_TOL
+                assert _relerr(await _infer_on(b_channel, x), x) <= FP32_TOL
                 assert srv.server.limiter.preempted == 1
                 # Full again (one more idle stream, of a fresh connection): a stream of another fresh connection is
                 # served too, and ends another of A's (4 -> 3).
@@ -280,21 +286,14 @@ def test_infer_calls_that_never_send_their_message_lock_nobody_out(monkeypatch):
                 await asyncio.sleep(0.1)
                 x = _x()
 
-                async def infer(channel) -> np.ndarray:
-                    stub = pb_grpc.GRPCInferenceServiceStub(channel)
-                    return parse_response(await stub.ModelInfer(build_request(x, "voxnet", "FP32"), timeout=10))
-
-                with pytest.raises(grpc.aio.AioRpcError) as err:  # A holds the most: refused, nothing ended
-                    await infer(a)
-                assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-                assert srv.server.limiter.preempted == 0
+                await _refused_holding_the_most(srv, a, x)  # A
                 ready = await pb_grpc.GRPCInferenceServiceStub(c).ServerReady(pb.ServerReadyRequest(), timeout=10)
                 assert ready.ready and srv.server.limiter.preempted == 1  # (A: 4 left)
                 d = _connection(srv.url)
                 held.append((d, silent(d, 1)))  # full again
                 await _wait_for_active(srv, 8)
                 await asyncio.sleep(0.1)
-                assert _relerr(await infer(c), x) <= FP32_TOL
+                assert _relerr(await _infer_on(c, x), x) <= FP32_TOL
                 assert srv.server.limiter.preempted == 2  # (A: 3 left)
                 ended = [call for call in held[0][1] if call.done()]
                 assert len(ended) == 2 and not any(call.done() for _, calls in held[1:] for call in calls)
