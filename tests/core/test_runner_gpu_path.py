@@ -10,7 +10,6 @@ import asyncio
 import gc
 import logging
 import os
-import time
 
 import numpy as np
 import pytest
@@ -26,6 +25,8 @@ from voxserve.server.core.runner import Runner
 from voxserve.server.core.stats import ModelStats
 from voxserve.server.metrics import Metrics
 from voxserve.testing.fake_pipeline import FakeGpuModel, expected
+
+from ..e2e.test_lifecycle import _wait_for  # (blocking: the event loop does not run meanwhile)
 
 
 def _runner(enqueue_on_loop: bool, depth: int) -> Runner:
@@ -126,14 +127,6 @@ async def _until(condition, timeout_s: float = 10.0) -> None:
         await asyncio.sleep(0.001)
 
 
-def _spin(condition, timeout_s: float = 10.0) -> None:
-    """Wait until ``condition()`` holds without letting the event loop run."""
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.0005)
-
-
 @pytest.mark.parametrize("sizes", [[8], [5, 15]], ids=["one execution", "three executions"])
 @pytest.mark.parametrize("where", ["while they run", "during the last enqueue", "once they have finished"])
 def test_a_cancelled_execution_leaves_nothing_in_flight_and_its_slots_come_back(runner, sizes, where):
@@ -159,7 +152,7 @@ def test_a_cancelled_execution_leaves_nothing_in_flight_and_its_slots_come_back(
             await _until(lambda: pipeline.enqueued == executions)
         if where == "once they have finished":  # waited for without letting the loop see their ends
             pipeline.hold.set()
-            _spin(lambda: pipeline.finished == executions)
+            _wait_for(lambda: pipeline.finished == executions, 10, "the executions to end")
         else:
             assert pipeline.released == 0
         assert worker.inflight > 0
@@ -209,7 +202,7 @@ def test_a_cancel_just_ahead_of_the_devices_wake_up_reads_no_slot_that_came_back
         await _until(lambda: pipeline.waiting == 1)  # the third enqueue, for a slot
         os.eventfd_write(other, 1)  # ready first
         pipeline.hold.set()
-        _spin(lambda: pipeline.finished == 2)  # and the wake-ups after it, in the same turn
+        _wait_for(lambda: pipeline.finished == 2, 10, "two executions to end")  # their wake-ups, in the same turn
         done, _ = await asyncio.wait([task], timeout=10)
         assert done and task.cancelled()
         await _until(lambda: pipeline.finished == 3 and pipeline.free_slots == 2 and worker.submitting == 0)

@@ -118,7 +118,8 @@ class FakePipeline:
         return pending
 
     def finish(self, pending: FakePending):
-        self._check_live(pending, "finish")
+        if pending.released:
+            self.violations.append(f"finish() of a {pending.samples}-sample execution whose slot came back")
         if not pending.events[-1].finished:
             self.violations.append(f"finish() of a {pending.samples}-sample execution still running")
         output = pending.output.copy()
@@ -131,10 +132,6 @@ class FakePipeline:
                 self.violations.append(f"release() of a {pending.samples}-sample execution still running")
             self.released += 1
             self._give_back(pending)
-
-    def _check_live(self, pending: FakePending, what: str) -> None:
-        if pending.released:
-            self.violations.append(f"{what}() of a {pending.samples}-sample execution whose slot came back")
 
     def _give_back(self, pending: FakePending) -> None:
         pending.released = True
