@@ -15,6 +15,13 @@ UNAVAILABLE (clients retry that code) and the newcomer takes its slot. So idle s
 connections cannot lock anyone out for their idle timeout, and a connection keeps what it uses: a call in
 progress is never ended for another, and a newcomer whose connection holds as many as the others (or one
 fewer: a swap would only invite the same in return) is refused.
+
+A request whose body is still arriving and whose progress is seen (REST: ``reading``) is ended for any newcomer
+once it has received nothing for PREEMPT_IDLE_S while the server is full, whatever its connection holds: a body
+that stalls holds a slot nobody uses, and HTTP/1.1 gives each connection one, so slow bodies spread over many
+connections (one slot each, no more than a newcomer's share) would otherwise lock everyone out for
+--http-timeout-s. A body that keeps arriving is never idle that long; one that stalls is answered 503 and may
+be sent again.
 """
 
 from __future__ import annotations
@@ -40,7 +47,7 @@ class Call:
     the default (idle since its last message; ended by cancelling it) with ``current_call()``: ``busy`` (it has
     work in progress), ``on_preempt`` (end it gracefully with UNAVAILABLE and the reason) and ``touch()``."""
 
-    __slots__ = ("busy", "last_active", "on_preempt", "peer", "preempted", "streaming", "task")
+    __slots__ = ("busy", "last_active", "on_preempt", "peer", "preempted", "reading", "streaming", "task")
 
     def __init__(self, peer: str, streaming: bool, now: float) -> None:
         self.peer, self.streaming = peer, streaming
@@ -48,6 +55,7 @@ class Call:
         self.busy: Callable[[], bool] = lambda: False
         self.on_preempt: Callable[[str], None] | None = None
         self.preempted: str | None = None  # the reason, once it was ended for another call
+        self.reading = False  # its request's body is arriving (touched at each chunk): see the module's docstring
         self.task = asyncio.current_task()
 
     def touch(self) -> None:
@@ -140,27 +148,37 @@ class RpcLimiter:
         self._active -= 1
 
     def _preempt_for(self, peer: str) -> bool:
-        """End the longest idle stream of the connection holding the most slots, if that is at least two more
-        than ``peer`` holds; True if a slot was freed so."""
-        mine = len(self._by_peer.get(peer, ()))
+        """End the body stalled longest (any connection's), or else the longest idle stream of the connection
+        holding the most slots if that is at least two more than ``peer`` holds; True if a slot was freed so."""
         latest = asyncio.get_running_loop().time() - PREEMPT_IDLE_S
+        stalled = [call for calls in self._by_peer.values() for call in calls
+                   if call.reading and call.last_active <= latest]
+        if stalled:
+            self._end(min(stalled, key=lambda call: call.last_active), (
+                f"the server is at its limit of RPCs in progress (--max-concurrent-rpcs) and this request's body "
+                f"had sent nothing for {PREEMPT_IDLE_S:g} s: it was ended for another client's call; send it again"))
+            return True
+        mine = len(self._by_peer.get(peer, ()))
         for calls in sorted(self._by_peer.values(), key=len, reverse=True):
             if len(calls) <= mine + 1:  # a swap would only let the other end one of this one's in turn
                 return False
             idle = [(since, call) for call in calls if (since := call.idle_since()) is not None and since <= latest]
             if idle:
-                victim = min(idle, key=lambda pair: pair[0])[1]
-                self._drop(victim)
-                self.preempted += 1
-                victim.preempted = ("the server is at its limit of RPCs in progress (--max-concurrent-rpcs) and "
-                                    "this connection held more than its share: this idle stream was ended for "
-                                    "another client's call; open it again")
-                if victim.on_preempt is not None:
-                    victim.on_preempt(victim.preempted)
-                elif victim.task is not None:
-                    victim.task.cancel()
+                self._end(min(idle, key=lambda pair: pair[0])[1], (
+                    "the server is at its limit of RPCs in progress (--max-concurrent-rpcs) and this connection "
+                    "held more than its share: this idle stream was ended for another client's call; open it again"))
                 return True
         return False
+
+    def _end(self, victim: Call, reason: str) -> None:
+        """Take ``victim``'s slot for another call and end it (gracefully where it said how) with ``reason``."""
+        self._drop(victim)
+        self.preempted += 1
+        victim.preempted = reason
+        if victim.on_preempt is not None:
+            victim.on_preempt(reason)
+        elif victim.task is not None:
+            victim.task.cancel()
 
     def _unary(self, method: str, behavior):
         async def limited(request, context):

@@ -21,12 +21,14 @@ Routes (Triton's):
 
 Bodies are read into one buffer, grown as they arrive (the binary tensors are then viewed in it, not copied), at
 most --max-message-bytes (413 above), and a body that stalls for --http-timeout-s, or arrives slower than
-MIN_BODY_BYTES_PER_S beyond that, is answered 408. A connection with no request in a handler for
---http-timeout-s (headers that never complete, an idle keep-alive) is closed, and at most --http-max-connections
-are open (``ConnectionWatch``). Compressed bodies are refused (415) before any byte is inflated, as gRPC's are by
-default. A JSON part over --max-json-bytes is refused (413): parsing holds the interpreter and costs several times
-the text in memory; JSON parts of more than JSON_INLINE_BYTES are parsed off the event loop, one --max-json-bytes'
-worth at a time. ``Expect: 100-continue`` is answered with the refusal instead when the request will be refused.
+MIN_BODY_BYTES_PER_S beyond that, is answered 408; while the server is at --max-concurrent-rpcs, one that has
+sent nothing for admission.PREEMPT_IDLE_S gives its slot to a newcomer and is answered 503. A connection with no
+request in a handler for --http-timeout-s (headers that never complete, an idle keep-alive) is closed, and at
+most --http-max-connections are open (``ConnectionWatch``). Compressed bodies are refused (415) before any byte
+is inflated, as gRPC's are by default. A JSON part over --max-json-bytes is refused (413): parsing holds the
+interpreter and costs several times the text in memory; JSON parts of more than JSON_INLINE_BYTES are parsed off
+the event loop, one --max-json-bytes' worth at a time. ``Expect: 100-continue`` is answered with the refusal
+instead when the request will be refused.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import contextvars
 import fcntl
 import logging
 import socket
@@ -51,7 +54,7 @@ from ..core.errors import ServingError, Status, invalid, shown
 from ..settings import Settings
 from ..topology.ports import bind_address
 from . import rest_codec, security
-from .admission import ByteBudget, RpcLimiter
+from .admission import ByteBudget, Call, RpcLimiter
 from .control import ControlService
 from .inference import HttpCall, InferenceService
 from .service import MalformedRequest
@@ -75,6 +78,7 @@ ACCEPT_WARN_S = 10.0  # at most one warning this often when connections cannot b
 OPEN_ROUTES = frozenset({"ServerLive", "ServerReady", "ModelReady"})  # --open-health: probes without a token
 INFER_ROUTE = "ModelInfer"
 METHOD_PREFIX = "/v2/rest/"  # how a route is named to on_refused (gRPC's "/service/Method")
+_CALL: contextvars.ContextVar[Call | None] = contextvars.ContextVar("voxserve_rest_call", default=None)  # its slot
 _DENIED = "missing or invalid credentials: send 'Authorization: Bearer <token>'"
 
 
@@ -445,13 +449,16 @@ class RestServer:
             call = self.limiter.admit(_peer(request), method)
         except ServingError as exc:
             return error_response(HTTP_STATUS[exc.code], exc.message, {"Connection": "close"})
+        held = _CALL.set(call)  # (for _read_body)
         self.in_progress += 1
         transport = request.transport
         self.connections.begin(transport)
         try:
             response = await handler(request)
         except ServingError as exc:
-            response = error_response(http_status(exc), exc.message)
+            # (a body ended for another call is left unread: the connection cannot carry another request)
+            response = error_response(http_status(exc), exc.message,
+                                      {"Connection": "close"} if call.preempted is not None else None)
         except web.HTTPException as exc:
             if exc.status < 400:
                 self.connections.end(transport)
@@ -461,6 +468,7 @@ class RestServer:
             self.connections.end(transport)
             raise
         finally:
+            _CALL.reset(held)
             self.in_progress -= 1
             self.limiter.release(call)
         # The connection is busy until the response has been written (aiohttp writes it after this returns): a
@@ -640,15 +648,29 @@ class RestServer:
         length = request.content_length
         if length is not None and length > limit:
             raise _too_large(length, limit, flag)
-        # The buffer grows with what arrives (memory follows bytes received, not the bytes announced).
+        # A body may pause for --http-timeout-s, and beyond that must keep arriving at MIN_BODY_BYTES_PER_S on
+        # average (of the bytes received so far): one that trickles in holds an RPC slot, which gRPC's calls
+        # count on too, for a bounded time; and, while the server is full, one that pauses for PREEMPT_IDLE_S
+        # gives its slot to a newcomer (admission.py): then the read raises the 503 set here.
+        call = _CALL.get()
+        if call is not None:
+            call.reading, call.on_preempt = True, lambda reason: request.content.set_exception(
+                HttpError(Status.UNAVAILABLE, 503, reason))
+        try:
+            return await self._read_chunks(request, limit, flag, call)
+        finally:
+            if call is not None:
+                call.reading, call.on_preempt = False, None
+
+    async def _read_chunks(self, request: web.Request, limit: int, flag: str, call: Call | None) -> bytearray:
+        """``_read_body``'s reading: the buffer grows with what arrives (memory follows the bytes received, not the
+        bytes announced)."""
+        length = request.content_length
         buffer = bytearray()
         received = 0
         loop = asyncio.get_running_loop()
         timeout_s = self.settings.http_timeout_s
         started = loop.time()
-        # A body may pause for --http-timeout-s, and beyond that must keep arriving at MIN_BODY_BYTES_PER_S on
-        # average (of the bytes received so far): one that trickles in holds an RPC slot, which gRPC's calls
-        # count on too, for a bounded time.
         while True:
             deadline = started + timeout_s + received / MIN_BODY_BYTES_PER_S
             try:
@@ -668,6 +690,8 @@ class RestServer:
                     f"the body is longer than its Content-Length {length}")
             buffer += chunk
             received = end
+            if call is not None:
+                call.touch()
         if length is not None and received != length:
             raise invalid(f"the body ended after {received} of its {length} bytes (Content-Length)")
         return buffer

@@ -8,6 +8,7 @@ import contextlib
 import gzip
 import json
 import socket
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -20,6 +21,7 @@ from voxserve.client import Client
 from voxserve.datatypes import bf16_bits_to_float32, float32_to_bf16_bits
 from voxserve.kernels import reference_float64, reference_weights
 from voxserve.server.core.model import relative_error
+from voxserve.server.protocol import admission
 
 from ..certs import CertificateAuthority
 from ..conftest import running_server
@@ -479,24 +481,93 @@ def test_huge_headers_get_4xx():
 
 
 def test_a_stalled_body_gets_408_and_frees_its_slot():
-    """A client that announces a body and stops sending holds an RPC slot only until --http-timeout-s."""
+    """A client that announces a body and stops sending holds its RPC slot only until --http-timeout-s (while
+    nobody else needs it: see the next test)."""
     with running_server(http_timeout_s=0.5, max_concurrent_rpcs=1, max_streams_per_connection=1) as srv:
         assert srv.wait_ready()
         with socket.create_connection(("127.0.0.1", srv.server.http_port)) as sock:
             sock.sendall(f"POST /v2/models/{MODEL}/infer HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n\r\n"
                          f"{{\"inp".encode())
-            # While it stalls, it holds the one slot: another request is refused.
-            deadline = time.monotonic() + 10
-            while True:
-                status, _, body = _request(srv, "GET", "/v2/health/live")
-                if status == 429 or time.monotonic() > deadline:
-                    break
-            assert status == 429 and "--max-concurrent-rpcs" in _error(body)
             sock.settimeout(30)
             reply = sock.recv(65536).decode()
         assert reply.startswith("HTTP/1.1 408"), reply
         assert "--http-timeout-s" in reply
+        assert srv.server.rest.limiter.active == 0
         assert _request(srv, "GET", "/v2/health/live")[0] == 200
+
+
+def _stalled_bodies(port: int, count: int) -> list[socket.socket]:
+    """``count`` connections, each with an inference request whose body has begun and then stopped."""
+    socks = []
+    for _ in range(count):
+        sock = socket.create_connection(("127.0.0.1", port))
+        sock.sendall(f"POST /v2/models/{MODEL}/infer HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n\r\n"
+                     f"{{\"inp".encode())
+        socks.append(sock)
+    return socks
+
+
+def test_stalled_bodies_over_many_connections_yield_their_slots_to_newcomers(monkeypatch):
+    """Slow bodies, one per connection, held every RPC slot until --http-timeout-s: each connection held one slot,
+    no more than a newcomer's share, so nothing was ended for anyone and every other client (gRPC's too) was
+    refused. Now a request whose body has sent nothing for PREEMPT_IDLE_S while the server is full is answered 503
+    (naming why) and its slot goes to the newcomer, the one stalled longest first; a body that keeps arriving is
+    not ended."""
+    monkeypatch.setattr(admission, "PREEMPT_IDLE_S", 0.2)
+    with running_server(http_timeout_s=60, max_concurrent_rpcs=4) as srv:
+        assert srv.wait_ready()
+        port = srv.server.http_port
+        socks = _stalled_bodies(port, 3)
+        steady, = _stalled_bodies(port, 1)
+        sending = threading.Event()
+        sending.set()
+
+        def send_steadily():  # a byte every 10 ms: never idle for PREEMPT_IDLE_S
+            for _ in range(900):
+                if not sending.is_set():
+                    return
+                steady.sendall(b" ")
+                time.sleep(0.01)
+
+        sender = threading.Thread(target=send_steadily, daemon=True)
+        sender.start()
+        try:
+            deadline = time.monotonic() + 10
+            while srv.server.rest.in_progress < 4 and time.monotonic() < deadline:
+                time.sleep(0.01)
+            time.sleep(0.3)
+            x = np.random.default_rng().standard_normal((1, 3, 5, 6, 7), dtype=np.float32)
+            status, _, body = _request(srv, "POST", f"/v2/models/{MODEL}/infer", _infer_body(x))
+            assert status == 200, body
+            y = np.asarray(json.loads(body)["outputs"][0]["data"], np.float32).reshape(1, -1)
+            ref = reference_float64(torch.from_numpy(x), *reference_weights())
+            assert relative_error(torch.from_numpy(y), ref) <= 1e-5
+            socks += _stalled_bodies(port, 1)  # full again: gRPC's calls share the slots
+            while srv.server.rest.in_progress < 4 and time.monotonic() < deadline:
+                time.sleep(0.01)
+            time.sleep(0.3)
+            with Client(srv.url, timeout_s=30) as client:
+                assert client.is_ready()
+            assert srv.server.limiter.preempted == 2
+            replies = {}
+            for i, sock in enumerate(socks):
+                sock.settimeout(0.5)
+                with contextlib.suppress(TimeoutError):
+                    replies[i] = sock.recv(65536).decode()
+            assert len(replies) == 2 and 3 not in replies, replies  # the longest stalled, not the newest
+            for reply in replies.values():
+                assert reply.startswith("HTTP/1.1 503") and "sent nothing" in reply, reply
+            steady.settimeout(0.2)
+            with pytest.raises(TimeoutError):  # still sending, and not answered
+                steady.recv(65536)
+            assert sender.is_alive()
+        finally:
+            sending.clear()
+            sender.join()
+            for sock in (*socks, steady):
+                sock.close()
+        assert srv.server.metrics.registry.get_sample_value(
+            "voxserve_requests_total", {"model": MODEL, "code": "UNAVAILABLE"}) == 2
 
 
 def test_a_short_body_gets_400():
