@@ -148,7 +148,10 @@ class InferenceService:
                               (started, 0, 0, time.perf_counter_ns()))
             raise
         if parsed is grpc.aio.EOF:  # the transport ended the call before its message could be read
-            # (over --max-message-bytes, unless the call's deadline came or the client went away)
+            # (over --max-message-bytes, unless the call's deadline came or the client went away). grpcio ends a
+            # call the same ways (this EOF, or the cancel above) whether its message was over the limit or its
+            # client reset it while the message arrived, and context.cancelled() is False in both: the count
+            # says RESOURCE_EXHAUSTED here and CANCELLED there, which is each ending's likelier cause.
             code = self._end_code(context, deadline, slack_s, Status.RESOURCE_EXHAUSTED)
             self.metrics.count_request(code.name)
             if self._observed:
