@@ -28,7 +28,7 @@ from .protocol.shm import SharedMemoryRegistry
 from .settings import AUTO, Settings
 from .topology import ports
 from .topology.executors import open_executor, read_weights
-from .topology.roles import ENGINE, FRONTEND, Role
+from .topology.roles import ENGINE, FRONTEND, REPLICA, Role
 from .topology.supervisor import die_with_supervisor, resolve_frontends, resolve_replicas, supervise, usable_cpus
 
 if TYPE_CHECKING:
@@ -78,7 +78,8 @@ class VoxServer:
         if device_memory is not None:
             self._offer_cuda_shm(device_memory)
         self.grpc = GrpcServer(settings, self.control, self.service, role.supervised, self._count_refused,
-                               partner=bool(role.partner_socket))
+                               partner=bool(role.partner_socket),
+                               scope={FRONTEND: "front end", REPLICA: "replica"}.get(role.kind, ""))
         if role.partner_socket:  # its clients are the native front end's: the access log names them so too
             self.service.peer_of = call_peer
         self.limiter = self.grpc.limiter

@@ -290,8 +290,9 @@ void InferCall::Start() {
   if (fe_->fast_calls.fetch_add(1) >= fe_->options.max_concurrent_rpcs) {
     fe_->fast_calls.fetch_sub(1);
     FinishFast(grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED,
-                            "the server has " + std::to_string(fe_->options.max_concurrent_rpcs) +
-                                " RPCs in progress, its limit (--max-concurrent-rpcs); retry later"),
+                            "this front end has " + std::to_string(fe_->options.max_concurrent_rpcs) +
+                                " RPCs in progress, its limit (--max-concurrent-rpcs, each front end's own); "
+                                "retry later"),
                0);
     return;
   }

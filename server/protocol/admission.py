@@ -80,7 +80,7 @@ class RpcLimiter:
     limit, and ``on_refused(method)`` is told (for its metrics)."""
 
     def __init__(self, limit: int, on_refused: Callable[[str], None] | None = None,
-                 peer_of: Callable[[grpc.aio.ServicerContext], str] | None = None) -> None:
+                 peer_of: Callable[[grpc.aio.ServicerContext], str] | None = None, scope: str = "") -> None:
         self.limit = limit
         # Which client a gRPC call is (its connection): the call's peer, or who a native front end says it is.
         self._peer_of = peer_of or (lambda context: context.peer() or "")
@@ -88,8 +88,11 @@ class RpcLimiter:
         self._by_peer: dict[str, set[Call]] = {}
         self._active = 0
         self._on_refused = on_refused or (lambda method: None)
-        self._refusal = exhausted(f"the server has {limit} RPCs in progress, its limit (--max-concurrent-rpcs); "
-                                  f"retry later")
+        # ``scope``: what the limit bounds where several processes share the port ("front end": each applies it)
+        self._refusal = exhausted(
+            f"this {scope} has {limit} RPCs in progress, its limit (--max-concurrent-rpcs, each {scope}'s own); "
+            f"retry later" if scope else
+            f"the server has {limit} RPCs in progress, its limit (--max-concurrent-rpcs); retry later")
 
     @property
     def active(self) -> int:

@@ -59,7 +59,7 @@ class GrpcServer:
     share its port."""
 
     def __init__(self, settings: Settings, control: ControlService, inference: InferenceService, shares_port: bool,
-                 on_refused: Callable[[str, str], None], partner: bool = False) -> None:
+                 on_refused: Callable[[str, str], None], partner: bool = False, scope: str = "") -> None:
         self.settings = settings
         # ``partner``: the partner of a native front end (partner.py), served on a private Unix socket (bind_socket)
         # without TLS (the native front end terminates it), its clients named by the native front end, which
@@ -80,7 +80,7 @@ class GrpcServer:
         self.server = grpc.aio.server(options=options, interceptors=interceptors)
         self.limiter = RpcLimiter(settings.max_concurrent_rpcs,
                                   lambda method: on_refused(grpc.StatusCode.RESOURCE_EXHAUSTED.name, method),
-                                  forwarded_peer if partner else None)
+                                  forwarded_peer if partner else None, scope)
         add_to_server(control, inference, self.server, self.limiter)
         self._add_health_and_reflection()
         if partner:

@@ -461,7 +461,8 @@ def held(sock_dir: Path) -> Iterator[FakeEngine]:
 
 @pytest.mark.parametrize(("limits", "in_flight", "refusal"), [
     (["--max-concurrent-rpcs", "2"], 2,
-     (RESOURCE_EXHAUSTED, "the server has 2 RPCs in progress, its limit (--max-concurrent-rpcs); retry later")),
+     (RESOURCE_EXHAUSTED, "this front end has 2 RPCs in progress, its limit (--max-concurrent-rpcs, each front end's "
+                          "own); retry later")),
     (["--max-queue-size", "1"], 1,
      (UNAVAILABLE, "model 'voxnet' is overloaded: this front end has 1 requests waiting for the engine, its limit "
                    "(--max-queue-size 1); retry later")),

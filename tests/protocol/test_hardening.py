@@ -23,6 +23,7 @@ from voxserve.client import Client, InferenceError, build_request, parse_respons
 from voxserve.kernels import reference_float64
 from voxserve.kernels.reference import reference_weights
 from voxserve.proto import pb, pb_grpc
+from voxserve.server.core.errors import ServingError
 from voxserve.server.protocol import admission
 from voxserve.server.protocol.admission import ByteBudget
 from voxserve.server.protocol.shm import SHM_DIR
@@ -180,6 +181,21 @@ def test_the_server_wide_limit_refuses_with_its_flag_and_counts(monkeypatch):
                 await _hang_up(*held)
 
         asyncio.run(attack())
+
+
+def test_a_front_ends_refusal_says_the_limit_is_its_own():
+    """With --frontends N each front end applies --max-concurrent-rpcs to its own connections: its refusal says
+    so, not that the whole server is full (the native front end's says the same: tests/native)."""
+    async def refuse(scope: str) -> str:
+        limiter = admission.RpcLimiter(1, scope=scope)
+        limiter.admit("a", "/m")
+        with pytest.raises(ServingError) as err:
+            limiter.admit("b", "/m")
+        return err.value.message
+
+    assert asyncio.run(refuse("front end")) == ("this front end has 1 RPCs in progress, its limit "
+                                                "(--max-concurrent-rpcs, each front end's own); retry later")
+    assert asyncio.run(refuse("")).startswith("the server has 1 RPCs in progress")
 
 
 async def _wait_for_active(srv, count: int) -> None:
