@@ -94,9 +94,12 @@ class DeviceWorker:
         return self._watcher
 
     def shutdown(self) -> None:
-        self.submitter.shutdown(wait=True)
+        """The watcher first: it waits for what is in flight and gives back the slots of executions nobody collects,
+        one of which an enqueue on the submit thread may be waiting for (the loop, blocked below until the thread
+        is done, could not give it back)."""
         if self._watcher is not None and not self._watcher.loop.is_closed():
             self._watcher.close()
+        self.submitter.shutdown(wait=True)
 
 
 class Runner:

@@ -10,6 +10,7 @@ import asyncio
 import gc
 import logging
 import os
+import threading
 
 import numpy as np
 import pytest
@@ -244,3 +245,35 @@ def test_a_cancelled_call_whose_executions_failed_logs_no_error_nobody_retrieved
         _closed(runner)
     assert runner.model.recovered == 2
     assert not [r for r in caplog.records if r.name == "asyncio"], [r.getMessage() for r in caplog.records]
+
+
+def test_closing_while_an_enqueue_waits_for_a_slot_ends_and_every_slot_comes_back():
+    """A shutdown while the submit thread waits for a slot held by a cancelled call's execution: closing the runner
+    waited for the thread, on the event loop, and the slot could only come back from the loop (the watcher hears
+    of the execution's end there): it never did, and the process hung on its way out. The watcher is closed first
+    now (it waits for what is in flight itself and gives back the cancelled executions' slots), then the thread."""
+    runner = _runner(False, depth=2)
+    pipeline, worker = runner.model.gpu_pipeline, runner.workers[0]
+    pipeline.hold.clear()  # the first two executions run until the device is let go below
+
+    async def go():
+        task = asyncio.ensure_future(runner._execute(_inputs([5, 15]), "FP32"))
+        await _until(lambda: pipeline.waiting == 1)  # the third enqueue, for a slot
+        task.cancel()
+        done, _ = await asyncio.wait([task], timeout=10)
+        assert done and task.cancelled()
+        threading.Timer(0.2, pipeline.hold.set).start()  # the device finishes them a moment later
+        await runner.close()
+
+    closing = threading.Thread(target=asyncio.run, args=(go(),), daemon=True)
+    closing.start()
+    closing.join(15)
+    hung = closing.is_alive()
+    if hung:  # let the thread go (a slot it can take), so that the test process can end
+        pipeline.hold.set()
+        pipeline._free.put(-1)
+        closing.join(15)
+    assert not hung, "closing the runner hung"
+    assert pipeline.finished == 3 and worker.submitting == 0 and worker.inflight == 0
+    pipeline.close()
+    assert not pipeline.violations and pipeline.free_slots == 2
