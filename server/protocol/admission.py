@@ -17,11 +17,12 @@ progress is never ended for another, and a newcomer whose connection holds as ma
 fewer: a swap would only invite the same in return) is refused.
 
 A request whose body is still arriving and whose progress is seen (REST: ``reading``) is ended for any newcomer
-once it has received nothing for PREEMPT_IDLE_S while the server is full, whatever its connection holds: a body
-that stalls holds a slot nobody uses, and HTTP/1.1 gives each connection one, so slow bodies spread over many
-connections (one slot each, no more than a newcomer's share) would otherwise lock everyone out for
---http-timeout-s. A body that keeps arriving is never idle that long; one that stalls is answered 503 and may
-be sent again.
+while the server is full once it is PREEMPT_IDLE_S behind MIN_BODY_BYTES_PER_S (counted from when its reading
+began: a body that stalls, or trickles in, falls behind; one that keeps up has credit for a pause), whatever its
+connection holds; the one furthest behind goes first. A body arriving that slowly holds a slot it hardly uses, and
+HTTP/1.1 gives each connection one, so slow bodies spread over many connections (one slot each, no more than a
+newcomer's share) would otherwise lock everyone out for --http-timeout-s; to hold the slots, a client must now
+send at least MIN_BODY_BYTES_PER_S on each. The one ended is answered 503 and may be sent again.
 """
 
 from __future__ import annotations
@@ -40,6 +41,9 @@ from .status import abort
 # longer than a streaming client takes between its messages, short enough that streams opened in a burst (or
 # reopened again and again) keep others out for no longer than this.
 PREEMPT_IDLE_S = 0.1
+# The slowest average a request's body may arrive at: one behind it while the server is full may be ended for
+# another call (above), and beyond --http-timeout-s one behind it is refused (REST: 408).
+MIN_BODY_BYTES_PER_S = 1e6
 
 
 class Call:
@@ -47,7 +51,8 @@ class Call:
     the default (idle since its last message; ended by cancelling it) with ``current_call()``: ``busy`` (it has
     work in progress), ``on_preempt`` (end it gracefully with UNAVAILABLE and the reason) and ``touch()``."""
 
-    __slots__ = ("busy", "last_active", "on_preempt", "peer", "preempted", "reading", "streaming", "task")
+    __slots__ = ("busy", "last_active", "on_preempt", "peer", "preempted", "read_since", "received", "streaming",
+                 "task")
 
     def __init__(self, peer: str, streaming: bool, now: float) -> None:
         self.peer, self.streaming = peer, streaming
@@ -55,11 +60,23 @@ class Call:
         self.busy: Callable[[], bool] = lambda: False
         self.on_preempt: Callable[[str], None] | None = None
         self.preempted: str | None = None  # the reason, once it was ended for another call
-        self.reading = False  # its request's body is arriving (touched at each chunk): see the module's docstring
+        # While its request's body arrives: since when, and the bytes so far (see the module's docstring).
+        self.read_since: float | None = None
+        self.received = 0
         self.task = asyncio.current_task()
 
     def touch(self) -> None:
         self.last_active = asyncio.get_running_loop().time()
+
+    def reading(self) -> None:
+        """Its request's body begins to arrive now (count what comes in ``received``)."""
+        self.read_since, self.received = asyncio.get_running_loop().time(), 0
+
+    def behind(self, now: float) -> float:
+        """How far its body is behind MIN_BODY_BYTES_PER_S, in seconds (-inf unless one is arriving)."""
+        if self.read_since is None:
+            return float("-inf")
+        return now - self.read_since - self.received / MIN_BODY_BYTES_PER_S
 
     def idle_since(self) -> float | None:
         """When it last did something, if it may be ended for another call now (an idle stream); else None."""
@@ -153,13 +170,15 @@ class RpcLimiter:
     def _preempt_for(self, peer: str) -> bool:
         """End the body stalled longest (any connection's), or else the longest idle stream of the connection
         holding the most slots if that is at least two more than ``peer`` holds; True if a slot was freed so."""
-        latest = asyncio.get_running_loop().time() - PREEMPT_IDLE_S
-        stalled = [call for calls in self._by_peer.values() for call in calls
-                   if call.reading and call.last_active <= latest]
-        if stalled:
-            self._end(min(stalled, key=lambda call: call.last_active), (
-                f"the server is at its limit of RPCs in progress (--max-concurrent-rpcs) and this request's body "
-                f"had sent nothing for {PREEMPT_IDLE_S:g} s: it was ended for another client's call; send it again"))
+        now = asyncio.get_running_loop().time()
+        latest = now - PREEMPT_IDLE_S
+        lag, slowest = max(((call.behind(now), call) for calls in self._by_peer.values() for call in calls),
+                           key=lambda pair: pair[0], default=(0.0, None))
+        if slowest is not None and lag >= PREEMPT_IDLE_S:
+            self._end(slowest, (
+                f"the server is at its limit of RPCs in progress (--max-concurrent-rpcs) and this request's body was "
+                f"arriving slower than {MIN_BODY_BYTES_PER_S / 1e6:g} MB/s: it was ended for another client's call; "
+                f"send it again"))
             return True
         mine = len(self._by_peer.get(peer, ()))
         for calls in sorted(self._by_peer.values(), key=len, reverse=True):

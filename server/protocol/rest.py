@@ -21,8 +21,8 @@ Routes (Triton's):
 
 Bodies are read into one buffer, grown as they arrive (the binary tensors are then viewed in it, not copied), at
 most --max-message-bytes (413 above), and a body that stalls for --http-timeout-s, or arrives slower than
-MIN_BODY_BYTES_PER_S beyond that, is answered 408; while the server is at --max-concurrent-rpcs, one that has
-sent nothing for admission.PREEMPT_IDLE_S gives its slot to a newcomer and is answered 503. A connection with no
+MIN_BODY_BYTES_PER_S beyond that, is answered 408; while the server is at --max-concurrent-rpcs, one that is
+admission.PREEMPT_IDLE_S behind that rate gives its slot to a newcomer and is answered 503. A connection with no
 request in a handler for --http-timeout-s (headers that never complete, an idle keep-alive) is closed, and at
 most --http-max-connections are open (``ConnectionWatch``). Compressed bodies are refused (415) before any byte
 is inflated, as gRPC's are by default. A JSON part over --max-json-bytes is refused (413): parsing holds the
@@ -54,7 +54,7 @@ from ..core.errors import ServingError, Status, invalid, shown
 from ..settings import Settings
 from ..topology.ports import bind_address
 from . import rest_codec, security
-from .admission import ByteBudget, Call, RpcLimiter
+from .admission import MIN_BODY_BYTES_PER_S, ByteBudget, Call, RpcLimiter
 from .control import ControlService
 from .inference import HttpCall, InferenceService
 from .service import MalformedRequest
@@ -72,7 +72,6 @@ HTTP_STATUS = {
     Status.UNAUTHENTICATED: 401,
 }  # fmt: skip
 JSON_INLINE_BYTES = 64 * 1024  # larger JSON is parsed in a thread (the event loop gets the interpreter in between)
-MIN_BODY_BYTES_PER_S = 1e6  # the slowest average a body may arrive at, beyond --http-timeout-s
 TLS_HANDSHAKE_S = 10.0  # at most this long for a TLS handshake (or --http-timeout-s, if shorter)
 ACCEPT_WARN_S = 10.0  # at most one warning this often when connections cannot be accepted
 OPEN_ROUTES = frozenset({"ServerLive", "ServerReady", "ModelReady"})  # --open-health: probes without a token
@@ -650,17 +649,17 @@ class RestServer:
             raise _too_large(length, limit, flag)
         # A body may pause for --http-timeout-s, and beyond that must keep arriving at MIN_BODY_BYTES_PER_S on
         # average (of the bytes received so far): one that trickles in holds an RPC slot, which gRPC's calls
-        # count on too, for a bounded time; and, while the server is full, one that pauses for PREEMPT_IDLE_S
-        # gives its slot to a newcomer (admission.py): then the read raises the 503 set here.
+        # count on too, for a bounded time; and, while the server is full, one that falls PREEMPT_IDLE_S behind that
+        # rate gives its slot to a newcomer (admission.py): then the read raises the 503 set here.
         call = _CALL.get()
         if call is not None:
-            call.reading, call.on_preempt = True, lambda reason: request.content.set_exception(
-                HttpError(Status.UNAVAILABLE, 503, reason))
+            call.reading()
+            call.on_preempt = lambda reason: request.content.set_exception(HttpError(Status.UNAVAILABLE, 503, reason))
         try:
             return await self._read_chunks(request, limit, flag, call)
         finally:
             if call is not None:
-                call.reading, call.on_preempt = False, None
+                call.read_since, call.on_preempt = None, None
 
     async def _read_chunks(self, request: web.Request, limit: int, flag: str, call: Call | None) -> bytearray:
         """``_read_body``'s reading: the buffer grows with what arrives (memory follows the bytes received, not the
@@ -691,7 +690,7 @@ class RestServer:
             buffer += chunk
             received = end
             if call is not None:
-                call.touch()
+                call.received = end
         if length is not None and received != length:
             raise invalid(f"the body ended after {received} of its {length} bytes (Content-Length)")
         return buffer

@@ -496,41 +496,55 @@ def test_a_stalled_body_gets_408_and_frees_its_slot():
         assert _request(srv, "GET", "/v2/health/live")[0] == 200
 
 
-def _stalled_bodies(port: int, count: int) -> list[socket.socket]:
-    """``count`` connections, each with an inference request whose body has begun and then stopped."""
+def _begun_bodies(port: int, count: int, length: int = 1000) -> list[socket.socket]:
+    """``count`` connections, each with an inference request whose body of ``length`` bytes has begun."""
     socks = []
     for _ in range(count):
         sock = socket.create_connection(("127.0.0.1", port))
-        sock.sendall(f"POST /v2/models/{MODEL}/infer HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n\r\n"
+        sock.sendall(f"POST /v2/models/{MODEL}/infer HTTP/1.1\r\nHost: x\r\nContent-Length: {length}\r\n\r\n"
                      f"{{\"inp".encode())
         socks.append(sock)
     return socks
 
 
-def test_stalled_bodies_over_many_connections_yield_their_slots_to_newcomers(monkeypatch):
+class _Sender(threading.Thread):
+    """Sends ``chunk`` on ``sock`` every 10 ms until stopped (or the server closes the connection)."""
+
+    def __init__(self, sock: socket.socket, chunk: bytes) -> None:
+        super().__init__(daemon=True)
+        self.sock, self.chunk, self.running = sock, chunk, threading.Event()
+        self.running.set()
+        self.start()
+
+    def run(self) -> None:
+        with contextlib.suppress(OSError):
+            while self.running.is_set():
+                self.sock.sendall(self.chunk)
+                time.sleep(0.01)
+
+    def stop(self) -> None:
+        self.running.clear()
+        self.join()
+
+
+def test_slow_bodies_over_many_connections_yield_their_slots_to_newcomers(monkeypatch):
     """Slow bodies, one per connection, held every RPC slot until --http-timeout-s: each connection held one slot,
     no more than a newcomer's share, so nothing was ended for anyone and every other client (gRPC's too) was
-    refused. Now a request whose body has sent nothing for PREEMPT_IDLE_S while the server is full is answered 503
-    (naming why) and its slot goes to the newcomer, the one stalled longest first; a body that keeps arriving is
+    refused. Now, while the server is full, a request whose body is PREEMPT_IDLE_S behind MIN_BODY_BYTES_PER_S is
+    answered 503 (naming why) and its slot goes to the newcomer, the one furthest behind first: one that stopped
+    sending, and one that trickles a byte at a time (never idle for long, but far behind); a body that keeps up is
     not ended."""
     monkeypatch.setattr(admission, "PREEMPT_IDLE_S", 0.2)
+    monkeypatch.setattr(admission, "MIN_BODY_BYTES_PER_S", 2000.0)
     with running_server(http_timeout_s=60, max_concurrent_rpcs=4) as srv:
         assert srv.wait_ready()
         port = srv.server.http_port
-        socks = _stalled_bodies(port, 3)
-        steady, = _stalled_bodies(port, 1)
-        sending = threading.Event()
-        sending.set()
-
-        def send_steadily():  # a byte every 10 ms: never idle for PREEMPT_IDLE_S
-            for _ in range(900):
-                if not sending.is_set():
-                    return
-                steady.sendall(b" ")
-                time.sleep(0.01)
-
-        sender = threading.Thread(target=send_steadily, daemon=True)
-        sender.start()
+        (trickling,) = _begun_bodies(port, 1)
+        senders = [_Sender(trickling, b" ")]  # 100 bytes a second: behind from the start
+        time.sleep(0.15)
+        stalled = _begun_bodies(port, 2)
+        (steady,) = _begun_bodies(port, 1, length=10**7)
+        senders.append(_Sender(steady, b" " * 100))  # 10 kB a second: ahead all along
         try:
             deadline = time.monotonic() + 10
             while srv.server.rest.in_progress < 4 and time.monotonic() < deadline:
@@ -542,7 +556,7 @@ def test_stalled_bodies_over_many_connections_yield_their_slots_to_newcomers(mon
             y = np.asarray(json.loads(body)["outputs"][0]["data"], np.float32).reshape(1, -1)
             ref = reference_float64(torch.from_numpy(x), *reference_weights())
             assert relative_error(torch.from_numpy(y), ref) <= 1e-5
-            socks += _stalled_bodies(port, 1)  # full again: gRPC's calls share the slots
+            stalled += _begun_bodies(port, 1)  # full again: gRPC's calls share the slots
             while srv.server.rest.in_progress < 4 and time.monotonic() < deadline:
                 time.sleep(0.01)
             time.sleep(0.3)
@@ -550,21 +564,19 @@ def test_stalled_bodies_over_many_connections_yield_their_slots_to_newcomers(mon
                 assert client.is_ready()
             assert srv.server.limiter.preempted == 2
             replies = {}
-            for i, sock in enumerate(socks):
-                sock.settimeout(0.5)
+            for name, sock in [("trickling", trickling), *((f"stalled {i}", s) for i, s in enumerate(stalled)),
+                               ("steady", steady)]:
+                sock.settimeout(0.3)
                 with contextlib.suppress(TimeoutError):
-                    replies[i] = sock.recv(65536).decode()
-            assert len(replies) == 2 and 3 not in replies, replies  # the longest stalled, not the newest
+                    replies[name] = sock.recv(65536).decode()
+            assert set(replies) == {"trickling", "stalled 0"}, replies  # the furthest behind, in turn
             for reply in replies.values():
-                assert reply.startswith("HTTP/1.1 503") and "sent nothing" in reply, reply
-            steady.settimeout(0.2)
-            with pytest.raises(TimeoutError):  # still sending, and not answered
-                steady.recv(65536)
-            assert sender.is_alive()
+                assert reply.startswith("HTTP/1.1 503") and "slower than" in reply, reply
+            assert senders[1].is_alive()  # (still sending)
         finally:
-            sending.clear()
-            sender.join()
-            for sock in (*socks, steady):
+            for sender in senders:
+                sender.stop()
+            for sock in (trickling, *stalled, steady):
                 sock.close()
         assert srv.server.metrics.registry.get_sample_value(
             "voxserve_requests_total", {"model": MODEL, "code": "UNAVAILABLE"}) == 2
