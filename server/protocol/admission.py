@@ -16,13 +16,14 @@ connections cannot lock anyone out for their idle timeout, and a connection keep
 progress is never ended for another, and a newcomer whose connection holds as many as the others (or one
 fewer: a swap would only invite the same in return) is refused.
 
-A request whose body is still arriving and whose progress is seen (REST: ``reading``) is ended for any newcomer
-while the server is full once it is PREEMPT_IDLE_S behind MIN_BODY_BYTES_PER_S (counted from when its reading
-began: a body that stalls, or trickles in, falls behind; one that keeps up has credit for a pause), whatever its
-connection holds; the one furthest behind goes first. A body arriving that slowly holds a slot it hardly uses, and
-HTTP/1.1 gives each connection one, so slow bodies spread over many connections (one slot each, no more than a
-newcomer's share) would otherwise lock everyone out for --http-timeout-s; to hold the slots, a client must now
-send at least MIN_BODY_BYTES_PER_S on each. The one ended is answered 503 and may be sent again.
+A request still arriving (``Call.reading``: a REST body, counted as its bytes come in; a ModelInfer call's
+message, of which gRPC shows nothing until the whole of it has come) is ended for any newcomer while the server is
+full once it is PREEMPT_IDLE_S behind MIN_BODY_BYTES_PER_S, counted from when its reading began (a body that stalls
+or trickles falls behind; one that keeps up has credit for a pause), whatever its connection holds; the one
+furthest behind goes first, answered UNAVAILABLE (REST: 503), and may be sent again. Such a request holds a slot
+it hardly uses, and a connection holds at most one (HTTP/1.1) or needs only one, so slow requests spread over many
+connections (no more than a newcomer's share each) would otherwise lock everyone out, for --http-timeout-s or (a
+ModelInfer without a deadline) for good; to hold the slots a client must now send MIN_BODY_BYTES_PER_S on each.
 """
 
 from __future__ import annotations
@@ -176,8 +177,8 @@ class RpcLimiter:
                            key=lambda pair: pair[0], default=(0.0, None))
         if slowest is not None and lag >= PREEMPT_IDLE_S:
             self._end(slowest, (
-                f"the server is at its limit of RPCs in progress (--max-concurrent-rpcs) and this request's body was "
-                f"arriving slower than {MIN_BODY_BYTES_PER_S / 1e6:g} MB/s: it was ended for another client's call; "
+                f"the server is at its limit of RPCs in progress (--max-concurrent-rpcs) and this request was still "
+                f"arriving, slower than {MIN_BODY_BYTES_PER_S / 1e6:g} MB/s: it was ended for another client's call; "
                 f"send it again"))
             return True
         mine = len(self._by_peer.get(peer, ()))
@@ -214,11 +215,13 @@ class RpcLimiter:
 
     def _awaiting_message(self, method: str, behavior):
         """A call that reads its one message itself (ModelInfer: admitted at its headers). Until the message has come
-        (``in_progress()``, from the handler), it holds its slot as an idle stream does: one that has sent nothing for
-        PREEMPT_IDLE_S may be ended for another connection's call, so calls opened and left without a message lock
-        nobody out; once the message is in, the call is never ended for another."""
+        (``in_progress()``, from the handler) it is a request still arriving, as a REST body is, of which no byte
+        is seen (gRPC hands over whole messages): PREEMPT_IDLE_S after it began it may be ended for any newcomer
+        while the server is full, so calls opened and left without a message lock nobody out, however many
+        connections hold them; once the message is in, the call is never ended for another."""
         async def limited(request, context):
-            call = await self._admit(method, context, streaming=True)
+            call = await self._admit(method, context, streaming=False)
+            call.reading()
             _current.set(call)  # the call's task is its own: nothing to reset
             try:
                 return await behavior(request, context)
@@ -252,11 +255,7 @@ def in_progress() -> None:
     """The running handler's call has its work in hand (ModelInfer's message has come): never ended for another."""
     call = _current.get()
     if call is not None:
-        call.busy = _busy
-
-
-def _busy() -> bool:
-    return True
+        call.read_since = None
 
 
 async def _ended_for_another(call: Call, context) -> None:

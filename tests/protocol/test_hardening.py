@@ -274,10 +274,11 @@ def test_idle_streams_over_many_connections_yield_their_slots_to_others(monkeypa
 
 
 def test_infer_calls_that_never_send_their_message_lock_nobody_out(monkeypatch):
-    """ModelInfer calls opened and left without their message (no deadline) fill the server from two connections:
-    another connection's calls are still served (health, and inference), each taking the slot of the longest
-    waiting call of the connection holding the most, which ends UNAVAILABLE saying why; that connection's own
-    new call is refused, and a call whose message has come is never ended for another."""
+    """ModelInfer calls opened and left without their message (no deadline), one per connection over eight
+    connections, held every slot for good: each connection held one, no more than a newcomer's share, so nothing
+    was ended for anyone. Now a call whose message has not come PREEMPT_IDLE_S after it began is ended for any
+    newcomer while the server is full, the one waiting longest first, UNAVAILABLE saying why; health and
+    inference of other connections are served."""
     monkeypatch.setattr(admission, "PREEMPT_IDLE_S", 0.05)
     with running_server(max_concurrent_rpcs=8, max_streams_per_connection=8) as srv:
         assert srv.wait_ready()
@@ -289,37 +290,41 @@ def test_infer_calls_that_never_send_their_message_lock_nobody_out(monkeypatch):
                 await never.wait()
                 yield pb.ModelInferRequest()  # pragma: no cover - never reached
 
-            def silent(channel, count: int) -> list:
+            def silent(channel) -> list:
                 infer = channel.stream_unary("/inference.GRPCInferenceService/ModelInfer",
                                              request_serializer=pb.ModelInferRequest.SerializeToString,
                                              response_deserializer=pb.ModelInferResponse.FromString)
-                return [infer(nothing()) for _ in range(count)]
+                return [infer(nothing())]
 
-            a, b, c = _connection(srv.url), _connection(srv.url), _connection(srv.url)
-            held = [(a, silent(a, 5)), (b, silent(b, 3)), (c, [])]
+            held = []
+            for _ in range(8):
+                channel = _connection(srv.url)
+                held.append((channel, silent(channel)))
+                await asyncio.sleep(0.01)  # (in turn: the first waits longest)
+            other = _connection(srv.url)
             try:
                 await _wait_for_active(srv, 8)
                 await asyncio.sleep(0.1)
+                ready = await pb_grpc.GRPCInferenceServiceStub(other).ServerReady(pb.ServerReadyRequest(), timeout=10)
+                assert ready.ready and srv.server.limiter.preempted == 1
                 x = _x()
-
-                await _refused_holding_the_most(srv, a, x)  # A
-                ready = await pb_grpc.GRPCInferenceServiceStub(c).ServerReady(pb.ServerReadyRequest(), timeout=10)
-                assert ready.ready and srv.server.limiter.preempted == 1  # (A: 4 left)
-                d = _connection(srv.url)
-                held.append((d, silent(d, 1)))  # full again
+                assert _relerr(await _infer_on(other, x), x) <= FP32_TOL
+                assert srv.server.limiter.preempted == 1  # (a slot was free again)
+                refill = _connection(srv.url)
+                held.append((refill, silent(refill)))  # full again
                 await _wait_for_active(srv, 8)
                 await asyncio.sleep(0.1)
-                assert _relerr(await _infer_on(c, x), x) <= FP32_TOL
-                assert srv.server.limiter.preempted == 2  # (A: 3 left)
-                ended = [call for call in held[0][1] if call.done()]
-                assert len(ended) == 2 and not any(call.done() for _, calls in held[1:] for call in calls)
-                for call in ended:
+                assert _relerr(await _infer_on(other, x), x) <= FP32_TOL
+                assert srv.server.limiter.preempted == 2
+                ended = [i for i, (_, calls) in enumerate(held) if calls[0].done()]
+                assert ended == [0, 1], ended  # the two waiting longest
+                for i in ended:
                     with pytest.raises(grpc.aio.AioRpcError) as err:
-                        await call
-                    assert err.value.code() == grpc.StatusCode.UNAVAILABLE and "its share" in err.value.details()
+                        await held[i][1][0]
+                    assert err.value.code() == grpc.StatusCode.UNAVAILABLE and "still arriving" in err.value.details()
                 assert _counted(srv, "UNAVAILABLE") == 2
             finally:
-                await _hang_up(*held)
+                await _hang_up(*held, (other, ()))
 
         asyncio.run(attack())
 
