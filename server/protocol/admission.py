@@ -11,10 +11,11 @@ single connection can hold is bounded by HTTP/2 (``grpc.max_concurrent_streams``
 When every slot is taken, a newcomer is not refused while some connection holds at least two slots more
 than the newcomer's own and one of them is a stream that has been idle (nothing in progress, no message in
 or out) for PREEMPT_IDLE_S: the longest idle such stream of the connection holding the most is ended with
-UNAVAILABLE (clients retry that code) and the newcomer takes its slot. So idle streams spread over many
-connections cannot lock anyone out for their idle timeout, and a connection keeps what it uses: a call in
-progress is never ended for another, and a newcomer whose connection holds as many as the others (or one
-fewer: a swap would only invite the same in return) is refused.
+UNAVAILABLE (clients retry that code) and the newcomer takes its slot. A newcomer whose connection holds as many
+as the others (or one fewer: a swap would only invite the same in return) ends a stream only once it has been
+idle for IDLE_STREAM_YIELD_S, the longest idle of all: so idle streams, however they are spread over
+connections, cannot lock anyone out for their idle timeout, and a connection keeps what it uses: a call in
+progress is never ended for another.
 
 A request still arriving (``Call.reading``: a REST body, counted as its bytes come in; a ModelInfer call's
 message, of which gRPC shows nothing until the whole of it has come) is ended for any newcomer while the server is
@@ -42,6 +43,10 @@ from .status import abort
 # longer than a streaming client takes between its messages, short enough that streams opened in a burst (or
 # reopened again and again) keep others out for no longer than this.
 PREEMPT_IDLE_S = 0.1
+# A stream idle this long is ended for any newcomer while the server is full, whatever its connection holds: long
+# enough that a client sending on its stream now and then keeps it, short enough that idle streams spread over
+# many connections (one each) keep nobody out for long.
+IDLE_STREAM_YIELD_S = 1.0
 # The slowest average a request's body may arrive at: one behind it while the server is full may be ended for
 # another call (above), and beyond --http-timeout-s one behind it is refused (REST: 408).
 MIN_BODY_BYTES_PER_S = 1e6
@@ -169,8 +174,9 @@ class RpcLimiter:
         self._active -= 1
 
     def _preempt_for(self, peer: str) -> bool:
-        """End the body stalled longest (any connection's), or else the longest idle stream of the connection
-        holding the most slots if that is at least two more than ``peer`` holds; True if a slot was freed so."""
+        """End the request still arriving furthest behind (any connection's), or else the longest idle stream of the
+        connection holding the most slots if that is at least two more than ``peer`` holds, or else the longest
+        idle stream of all if idle for IDLE_STREAM_YIELD_S; True if a slot was freed so."""
         now = asyncio.get_running_loop().time()
         latest = now - PREEMPT_IDLE_S
         lag, slowest = max(((call.behind(now), call) for calls in self._by_peer.values() for call in calls),
@@ -184,13 +190,21 @@ class RpcLimiter:
         mine = len(self._by_peer.get(peer, ()))
         for calls in sorted(self._by_peer.values(), key=len, reverse=True):
             if len(calls) <= mine + 1:  # a swap would only let the other end one of this one's in turn
-                return False
+                break
             idle = [(since, call) for call in calls if (since := call.idle_since()) is not None and since <= latest]
             if idle:
                 self._end(min(idle, key=lambda pair: pair[0])[1], (
                     "the server is at its limit of RPCs in progress (--max-concurrent-rpcs) and this connection "
                     "held more than its share: this idle stream was ended for another client's call; open it again"))
                 return True
+        since, longest = min(((since, call) for calls in self._by_peer.values() for call in calls
+                              if (since := call.idle_since()) is not None), key=lambda pair: pair[0],
+                             default=(now, None))
+        if longest is not None and since <= now - IDLE_STREAM_YIELD_S:
+            self._end(longest, (
+                f"the server is at its limit of RPCs in progress (--max-concurrent-rpcs) and this stream had been "
+                f"idle for {IDLE_STREAM_YIELD_S:g} s: it was ended for another client's call; open it again"))
+            return True
         return False
 
     def _end(self, victim: Call, reason: str) -> None:

@@ -162,6 +162,7 @@ def test_a_connection_busy_at_its_stream_limit_loses_no_call():
 
 def test_the_server_wide_limit_refuses_with_its_flag_and_counts(monkeypatch):
     monkeypatch.setattr(admission, "PREEMPT_IDLE_S", 600.0)  # no stream idle long enough to be ended for another
+    monkeypatch.setattr(admission, "IDLE_STREAM_YIELD_S", 600.0)  # (no stream yields for being idle that long)
     with running_server(max_concurrent_rpcs=8, max_streams_per_connection=4) as srv:
         assert srv.wait_ready()
 
@@ -215,7 +216,7 @@ async def _ended_for_another(call) -> bool:
         return False
     except grpc.aio.AioRpcError as err:
         assert err.code() == grpc.StatusCode.UNAVAILABLE, err
-        assert "its share" in err.details() and "--max-concurrent-rpcs" in err.details()
+        assert "ended for another client's call" in err.details() and "--max-concurrent-rpcs" in err.details()
         return True
 
 
@@ -236,6 +237,7 @@ def test_idle_streams_over_many_connections_yield_their_slots_to_others(monkeypa
     """The server full of idle streams from two connections: every other connection is still served, taking its
     slot from the connection holding the most; a connection that already holds the most is refused."""
     monkeypatch.setattr(admission, "PREEMPT_IDLE_S", 0.05)
+    monkeypatch.setattr(admission, "IDLE_STREAM_YIELD_S", 600.0)  # (no stream yields for being idle that long)
     with running_server(max_concurrent_rpcs=8, max_streams_per_connection=8) as srv:
         assert srv.wait_ready()
 
@@ -399,6 +401,7 @@ def test_a_stream_holds_no_more_request_bytes_than_one_call_may():
 
 def test_an_idle_stream_ends_gracefully_for_another_and_a_busy_one_never(monkeypatch):
     monkeypatch.setattr(admission, "PREEMPT_IDLE_S", 0.05)
+    monkeypatch.setattr(admission, "IDLE_STREAM_YIELD_S", 600.0)  # (no stream yields for being idle that long)
     with running_server(max_concurrent_rpcs=2, max_streams_per_connection=4, max_queue_delay_ms=1500,
                         max_batch=64) as srv:
         assert srv.wait_ready()
@@ -437,10 +440,45 @@ def test_an_idle_stream_ends_gracefully_for_another_and_a_busy_one_never(monkeyp
         asyncio.run(attack())
 
 
+def test_idle_streams_one_per_connection_yield_to_newcomers_once_idle_long_enough(monkeypatch):
+    """Idle streams, one on each of eight connections, held every slot until --stream-idle-timeout-s (60 s): each
+    connection held one, no more than a newcomer's share, so nothing was ended for anyone, and reopening them
+    kept everyone out for good. Now a stream idle for IDLE_STREAM_YIELD_S is ended for any newcomer while the
+    server is full, the longest idle first, UNAVAILABLE saying why; one idle for less is not."""
+    monkeypatch.setattr(admission, "IDLE_STREAM_YIELD_S", 0.5)
+    with running_server(max_concurrent_rpcs=8, max_streams_per_connection=8) as srv:
+        assert srv.wait_ready()
+
+        async def attack():
+            held = []
+            for _ in range(8):
+                held.append(await _idle_streams(srv.url, 1))
+                await asyncio.sleep(0.02)  # (in turn: the first is idle longest)
+            other = _connection(srv.url)
+            try:
+                await _wait_for_active(srv, 8)
+                x = _x()
+                await asyncio.sleep(0.6)
+                assert _relerr(await _infer_on(other, x), x) <= FP32_TOL
+                ready = await pb_grpc.GRPCInferenceServiceStub(other).ServerReady(pb.ServerReadyRequest(), timeout=10)
+                assert ready.ready and srv.server.limiter.preempted == 1  # (the first call's slot was free again)
+                held.append(await _idle_streams(srv.url, 1))  # full again, by a stream idle for less
+                await _wait_for_active(srv, 8)
+                assert _relerr(await _infer_on(other, x), x) <= FP32_TOL
+                assert srv.server.limiter.preempted == 2
+                ended = [i for i, (_, calls) in enumerate(held) if await _ended_for_another(calls[0])]
+                assert ended == [0, 1], ended  # the longest idle, in turn; not the newest
+            finally:
+                await _hang_up(*held, (other, ()))
+
+        asyncio.run(attack())
+
+
 def test_connections_one_slot_apart_do_not_end_each_others_streams(monkeypatch):
     """Ending a stream of a connection that holds just one slot more would only let it end one in return: the
     newcomer is refused instead, and nothing is ended."""
     monkeypatch.setattr(admission, "PREEMPT_IDLE_S", 0.05)
+    monkeypatch.setattr(admission, "IDLE_STREAM_YIELD_S", 600.0)  # (no stream yields for being idle that long)
     with running_server(max_concurrent_rpcs=4, max_streams_per_connection=4) as srv:
         assert srv.wait_ready()
 
@@ -464,6 +502,7 @@ def test_a_stream_just_answered_is_not_idle(monkeypatch):
     """A stream's answer counts as activity: right after a slow request is answered, its stream is not ended for
     a newcomer as if it had been idle since the request arrived."""
     monkeypatch.setattr(admission, "PREEMPT_IDLE_S", 0.5)
+    monkeypatch.setattr(admission, "IDLE_STREAM_YIELD_S", 600.0)  # (no stream yields for being idle that long)
     with running_server(max_concurrent_rpcs=2, max_streams_per_connection=4, max_queue_delay_ms=800,
                         max_batch=64) as srv:
         assert srv.wait_ready()
