@@ -79,6 +79,10 @@ STORM_REQUESTS, STORM_CONCURRENCY, STORM_TIMEOUT_S = 1000, 50, 0.1
 HTTP_CONNECTIONS = 800
 HTTP_PARTIAL = b"GET /metrics HTTP/1.1\r\n"
 HTTP_HOLD_S = 8.0  # the old server accepts a backlog of 5 at a time: its threads take seconds to pile up
+SPREAD_CONNECTIONS = 32  # one slot each: the server runs with --max-concurrent-rpcs 32
+SPREAD_FLAGS = ["--max-concurrent-rpcs", str(SPREAD_CONNECTIONS), "--max-streams-per-connection", "8"]
+SPREAD_SERVER = f"server with {' '.join(SPREAD_FLAGS)}"
+TRICKLE_S = 0.05  # a slow body's pace: a byte this often
 HELD = "held (cancelled by the attacker)"
 NEVER_OPENED = "never opened (waited on the client's side)"
 
@@ -305,6 +309,92 @@ async def idle_streams(server: ServerProcess, good: GoodClient, connections: int
     finally:
         for ch in channels:
             await ch.close()
+    return out
+
+
+async def spread_calls(server: ServerProcess, good: GoodClient,
+                       open_call: Callable[[grpc.aio.Channel], object]) -> Outcome:
+    """One call of ``open_call``'s on each of SPREAD_CONNECTIONS connections for HOLD_S, each opened again (on its
+    connection) as soon as it ends: a persistent attacker. The codes are those of the calls that ended."""
+    out = Outcome()
+    channels = [aio_channel(server) for _ in range(SPREAD_CONNECTIONS)]
+    deadline = time.monotonic() + 0.5 + HOLD_S
+
+    async def hold(channel: grpc.aio.Channel) -> None:
+        while time.monotonic() < deadline:
+            call = open_call(channel)
+            try:
+                await asyncio.wait_for(asyncio.shield(call.code()), max(0.0, deadline - time.monotonic()))
+            except asyncio.TimeoutError:
+                out.codes[HELD] += 1
+                call.cancel()
+                return
+            out.codes[(await call.code()).name] += 1
+            await asyncio.sleep(0.01)
+
+    try:
+        holders = [asyncio.ensure_future(hold(ch)) for ch in channels]
+        await asyncio.sleep(0.5)
+        good.begin()
+        await asyncio.gather(*holders)
+    finally:
+        for ch in channels:
+            await ch.close()
+    return out
+
+
+async def _silence():
+    await asyncio.Event().wait()
+    yield b""  # pragma: no cover - never reached
+
+
+def idle_stream(channel: grpc.aio.Channel):
+    return channel.stream_stream(STREAM_METHOD)(_silence())
+
+
+def silent_infer(channel: grpc.aio.Channel):
+    return channel.stream_unary(INFER_METHOD)(_silence())
+
+
+async def slow_bodies(server: ServerProcess, good: GoodClient) -> Outcome:
+    """A REST inference request on each of SPREAD_CONNECTIONS connections whose body arrives a byte every TRICKLE_S
+    (never idle for long, far slower than any real body), each sent again on a new connection once answered."""
+    out = Outcome()
+    head = (f"POST /v2/models/{MODEL}/infer HTTP/1.1\r\nHost: x\r\nContent-Length: 100000\r\n\r\n{{").encode()
+
+    def begun() -> socket.socket:
+        s = socket.create_connection(("127.0.0.1", server.http_port))
+        s.sendall(head)
+        s.setblocking(False)
+        return s
+
+    def attack() -> None:
+        socks = [begun() for _ in range(SPREAD_CONNECTIONS)]
+        try:
+            time.sleep(0.5)
+            good.begin()
+            deadline = time.monotonic() + HOLD_S
+            while time.monotonic() < deadline:
+                for i, s in enumerate(socks):
+                    try:
+                        data = s.recv(64)
+                    except BlockingIOError:  # not answered: a byte more
+                        with contextlib.suppress(OSError):
+                            s.send(b" ")
+                        continue
+                    except OSError:
+                        data = b""
+                    out.codes["closed, no reply" if not data else " ".join(data.split(b"\r\n")[0].decode(
+                        "latin-1").split()[:2])] += 1
+                    s.close()
+                    socks[i] = begun()
+                time.sleep(TRICKLE_S)
+            out.codes[HELD] += len(socks)
+        finally:
+            for s in socks:
+                s.close()
+
+    await asyncio.to_thread(attack)
     return out
 
 
@@ -572,6 +662,14 @@ ATTACKS = [
            functools.partial(idle_streams, connections=1, per_connection=IDLE_CONNECTIONS * IDLE_PER_CONNECTION)),
     Attack("idle-streams-timeout", "1c idle streams (as 1), server with --stream-idle-timeout-s 1", idle_streams,
            ["--stream-idle-timeout-s", "1"]),
+    Attack("idle-streams-spread", f"1d idle streams one per connection, reopened when ended ({SPREAD_CONNECTIONS} x "
+           f"1, {HOLD_S:.0f} s), " + SPREAD_SERVER, functools.partial(spread_calls, open_call=idle_stream),
+           SPREAD_FLAGS),
+    Attack("silent-infer", f"1e ModelInfer without its message, one per connection, reopened when ended "
+           f"({SPREAD_CONNECTIONS} x 1, {HOLD_S:.0f} s), " + SPREAD_SERVER,
+           functools.partial(spread_calls, open_call=silent_infer), SPREAD_FLAGS),
+    Attack("slow-bodies", f"1f REST bodies a byte every {TRICKLE_S * 1e3:.0f} ms, one per connection, sent again "
+           f"when answered ({SPREAD_CONNECTIONS} x 1, {HOLD_S:.0f} s), " + SPREAD_SERVER, slow_bodies, SPREAD_FLAGS),
     Attack("compression-bomb", f"2 compression bomb ({BOMB_REQUESTS} x 96 MiB zeros, gzip)", compression_bomb),
     Attack("compression-bomb-accepted", "2b compression bomb, server with --grpc-compression", compression_bomb,
            ["--grpc-compression"]),
