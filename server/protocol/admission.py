@@ -57,11 +57,12 @@ class Call:
     the default (idle since its last message; ended by cancelling it) with ``current_call()``: ``busy`` (it has
     work in progress), ``on_preempt`` (end it gracefully with UNAVAILABLE and the reason) and ``touch()``."""
 
-    __slots__ = ("busy", "last_active", "on_preempt", "peer", "preempted", "read_since", "received", "streaming",
-                 "task")
+    __slots__ = ("_arriving", "busy", "last_active", "on_preempt", "peer", "preempted", "read_since", "received",
+                 "streaming", "task")
 
-    def __init__(self, peer: str, streaming: bool, now: float) -> None:
+    def __init__(self, peer: str, streaming: bool, now: float, arriving: set[Call] | None = None) -> None:
         self.peer, self.streaming = peer, streaming
+        self._arriving = arriving if arriving is not None else set()  # the limiter's calls whose request arrives
         self.last_active = now
         self.busy: Callable[[], bool] = lambda: False
         self.on_preempt: Callable[[str], None] | None = None
@@ -75,8 +76,14 @@ class Call:
         self.last_active = asyncio.get_running_loop().time()
 
     def reading(self) -> None:
-        """Its request's body begins to arrive now (count what comes in ``received``)."""
+        """Its request begins to arrive now (count the bytes that come in ``received``); ``read()`` once it has."""
         self.read_since, self.received = asyncio.get_running_loop().time(), 0
+        self._arriving.add(self)
+
+    def read(self) -> None:
+        """Its request has arrived (or stopped arriving): no longer ended for another as a slow one."""
+        self.read_since = None
+        self._arriving.discard(self)
 
     def behind(self, now: float) -> float:
         """How far its body is behind MIN_BODY_BYTES_PER_S, in seconds (-inf unless one is arriving)."""
@@ -109,6 +116,10 @@ class RpcLimiter:
         self._peer_of = peer_of or (lambda context: context.peer() or "")
         self.preempted = 0  # streams ended to make room for other connections' calls
         self._by_peer: dict[str, set[Call]] = {}
+        # The calls that may be ended for another, kept apart so that a refusal scans only them: streams, and
+        # calls whose request is still arriving.
+        self._streams: set[Call] = set()
+        self._arriving: set[Call] = set()
         self._active = 0
         self._on_refused = on_refused or (lambda method: None)
         # ``scope``: what the limit bounds where several processes share the port ("front end": each applies it)
@@ -146,8 +157,10 @@ class RpcLimiter:
         if self._active >= self.limit and not self._preempt_for(peer):
             self._on_refused(method)
             raise self._refusal
-        call = Call(peer, streaming, asyncio.get_running_loop().time())
+        call = Call(peer, streaming, asyncio.get_running_loop().time(), self._arriving)
         self._by_peer.setdefault(peer, set()).add(call)
+        if streaming:
+            self._streams.add(call)
         self._active += 1
         return call
 
@@ -171,6 +184,8 @@ class RpcLimiter:
         held.discard(call)
         if not held:
             del self._by_peer[call.peer]
+        self._streams.discard(call)
+        call.read()
         self._active -= 1
 
     def _preempt_for(self, peer: str) -> bool:
@@ -179,8 +194,8 @@ class RpcLimiter:
         idle stream of all if idle for IDLE_STREAM_YIELD_S; True if a slot was freed so."""
         now = asyncio.get_running_loop().time()
         latest = now - PREEMPT_IDLE_S
-        lag, slowest = max(((call.behind(now), call) for calls in self._by_peer.values() for call in calls),
-                           key=lambda pair: pair[0], default=(0.0, None))
+        lag, slowest = max(((call.behind(now), call) for call in self._arriving), key=lambda pair: pair[0],
+                           default=(0.0, None))
         if slowest is not None and lag >= PREEMPT_IDLE_S:
             self._end(slowest, (
                 f"the server is at its limit of RPCs in progress (--max-concurrent-rpcs) and this request was still "
@@ -197,9 +212,8 @@ class RpcLimiter:
                     "the server is at its limit of RPCs in progress (--max-concurrent-rpcs) and this connection "
                     "held more than its share: this idle stream was ended for another client's call; open it again"))
                 return True
-        since, longest = min(((since, call) for calls in self._by_peer.values() for call in calls
-                              if (since := call.idle_since()) is not None), key=lambda pair: pair[0],
-                             default=(now, None))
+        since, longest = min(((since, call) for call in self._streams if (since := call.idle_since()) is not None),
+                             key=lambda pair: pair[0], default=(now, None))
         if longest is not None and since <= now - IDLE_STREAM_YIELD_S:
             self._end(longest, (
                 f"the server is at its limit of RPCs in progress (--max-concurrent-rpcs) and this stream had been "
@@ -269,7 +283,7 @@ def in_progress() -> None:
     """The running handler's call has its work in hand (ModelInfer's message has come): never ended for another."""
     call = _current.get()
     if call is not None:
-        call.read_since = None
+        call.read()
 
 
 async def _ended_for_another(call: Call, context) -> None:

@@ -659,7 +659,8 @@ class RestServer:
             return await self._read_chunks(request, limit, flag, call)
         finally:
             if call is not None:
-                call.read_since, call.on_preempt = None, None
+                call.read()
+                call.on_preempt = None
 
     async def _read_chunks(self, request: web.Request, limit: int, flag: str, call: Call | None) -> bytearray:
         """``_read_body``'s reading: the buffer grows with what arrives (memory follows the bytes received, not the
