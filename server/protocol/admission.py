@@ -55,7 +55,8 @@ MIN_BODY_BYTES_PER_S = 1e6
 class Call:
     """A call holding a slot, as the limiter sees it. A streaming call's handler may describe itself better than
     the default (idle since its last message; ended by cancelling it) with ``current_call()``: ``busy`` (it has
-    work in progress), ``on_preempt`` (end it gracefully with UNAVAILABLE and the reason) and ``touch()``."""
+    work in progress), ``on_preempt`` (end it gracefully with UNAVAILABLE and the reason) and ``touch()``. A call
+    whose request is still arriving says so with ``reading()`` (and its bytes in ``received``), then ``read()``."""
 
     __slots__ = ("_arriving", "busy", "last_active", "on_preempt", "peer", "preempted", "read_since", "received",
                  "streaming", "task")
@@ -67,7 +68,7 @@ class Call:
         self.busy: Callable[[], bool] = lambda: False
         self.on_preempt: Callable[[str], None] | None = None
         self.preempted: str | None = None  # the reason, once it was ended for another call
-        # While its request's body arrives: since when, and the bytes so far (see the module's docstring).
+        # While its request arrives: since when, and the bytes so far (see the module's docstring).
         self.read_since: float | None = None
         self.received = 0
         self.task = asyncio.current_task()
@@ -86,7 +87,7 @@ class Call:
         self._arriving.discard(self)
 
     def behind(self, now: float) -> float:
-        """How far its body is behind MIN_BODY_BYTES_PER_S, in seconds (-inf unless one is arriving)."""
+        """How far its request is behind MIN_BODY_BYTES_PER_S, in seconds (-inf unless one is arriving)."""
         if self.read_since is None:
             return float("-inf")
         return now - self.read_since - self.received / MIN_BODY_BYTES_PER_S
@@ -114,7 +115,7 @@ class RpcLimiter:
         self.limit = limit
         # Which client a gRPC call is (its connection): the call's peer, or who a native front end says it is.
         self._peer_of = peer_of or (lambda context: context.peer() or "")
-        self.preempted = 0  # streams ended to make room for other connections' calls
+        self.preempted = 0  # calls ended to make room for others
         self._by_peer: dict[str, set[Call]] = {}
         # The calls that may be ended for another, kept apart so that a refusal scans only them: streams, and
         # calls whose request is still arriving.
