@@ -401,10 +401,9 @@ void Engines::ReadReplies(Link& link) {
     while (filled - pos >= sizeof(ReplyRecord)) {
       ReplyRecord header;
       std::memcpy(&header, buffer.data() + pos, sizeof(header));
-      if (filled - pos < sizeof(header) + header.payload_bytes) {
-        if (buffer.size() < sizeof(header) + header.payload_bytes) buffer.resize(sizeof(header) + header.payload_bytes);
-        break;
-      }
+      // An incomplete reply waits for more bytes; the buffer grows as they come (above), never to the length a
+      // header announces, so a corrupt stream cannot make this process allocate what was never sent.
+      if (filled - pos < sizeof(header) + header.payload_bytes) break;
       Deliver(link, header, buffer.data() + pos + sizeof(header));
       pos += sizeof(header) + header.payload_bytes;
     }

@@ -545,6 +545,28 @@ def test_lost_engines_fail_their_calls_and_then_every_call(binary, sock_dir, par
             e.close()
 
 
+def _rss_bytes(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as status:
+        return next(int(line.split()[1]) * 1024 for line in status if line.startswith("VmRSS:"))
+
+
+def test_a_reply_announcing_gigabytes_takes_memory_only_as_its_bytes_come(binary, held, partner):
+    """The reply reader made room for a reply's announced payload at once: a reply header announcing 3 GiB (a corrupt
+    or hostile engine stream) made the front end allocate and zero 3 GiB. Its buffer now grows with what arrives,
+    as the Python front end's does, and the front end goes on serving until the engine hangs up."""
+    payload = request().SerializeToString()
+    with native(binary, [held.path], partner) as fe, grpc.insecure_channel(fe.url) as channel:
+        first = channel.unary_unary(INFER).future(payload, timeout=60)
+        (record,) = held.wait_records(ipc.INFER, 1)
+        held.reply(held.connection(), record.id, 1)
+        first.result()
+        before = _rss_bytes(fe.proc.pid)
+        held.connection().sendall(ipc.REPLY.pack(ipc.OK, 0, 3 << 30, 1 << 40, 0, 0) + b"\0" * 1024)
+        time.sleep(1.0)
+        assert _rss_bytes(fe.proc.pid) - before < 256 << 20
+        assert fe.proc.poll() is None
+
+
 # --- cancellation, deadlines, the arena ------------------------------------------------------------------------
 
 
