@@ -121,8 +121,10 @@ class Settings:
     max_concurrent_rpcs: int = option(
         256,
         "most RPCs served at once, over all connections (authenticated ones: a refused token holds no slot); further "
-        "ones are refused with RESOURCE_EXHAUSTED. With --frontends N each front end applies it to the connections "
-        "it terminates (the kernel spreads them), so the server serves up to N times this many",
+        "ones are refused with RESOURCE_EXHAUSTED, or take the slot of an idle stream or of a request still arriving "
+        "slowly, which then ends UNAVAILABLE (the README's 'Connections and streams'). With --frontends N each front "
+        "end applies it to the connections it terminates (the kernel spreads them), so the server serves up to N "
+        "times this many",
         check=(lambda v: v >= 1, "must be >= 1"))
     max_streams_per_connection: int = option(
         64,
