@@ -24,7 +24,9 @@ or trickles falls behind; one that keeps up has credit for a pause), whatever it
 furthest behind goes first, answered UNAVAILABLE (REST: 503), and may be sent again. Such a request holds a slot
 it hardly uses, and a connection holds at most one (HTTP/1.1) or needs only one, so slow requests spread over many
 connections (no more than a newcomer's share each) would otherwise lock everyone out, for --http-timeout-s or (a
-ModelInfer without a deadline) for good; to hold the slots a client must now send MIN_BODY_BYTES_PER_S on each.
+ModelInfer without a deadline) for good. To hold the slots a client must now send a REST body at MIN_BODY_BYTES_PER_S
+on each, and a ModelInfer's message must be in PREEMPT_IDLE_S after its call began, at whatever rate it came: so
+while the server is full, a large message arriving slowly may be ended for a newcomer (the README says so).
 """
 
 from __future__ import annotations

@@ -38,6 +38,7 @@ import base64
 import contextlib
 import contextvars
 import fcntl
+import functools
 import logging
 import socket
 import ssl
@@ -473,6 +474,8 @@ class RestServer:
         # The connection is busy until the response has been written (aiohttp writes it after this returns): a
         # client reading a large answer slowly is not idle.
         self.connections.end_after(response, transport)
+        if call.preempted is not None:  # its body is still coming: the connection ends with the 503
+            _close_after(response, request.protocol)
         return response
 
     # --- health, metadata, configuration, statistics -----------------------------
@@ -650,13 +653,26 @@ class RestServer:
         # A body may pause for --http-timeout-s, and beyond that must keep arriving at MIN_BODY_BYTES_PER_S on
         # average (of the bytes received so far): one that trickles in holds an RPC slot, which gRPC's calls
         # count on too, for a bounded time; and, while the server is full, one that falls PREEMPT_IDLE_S behind that
-        # rate gives its slot to a newcomer (admission.py): then the read raises the 503 set here.
+        # rate gives its slot to a newcomer (admission.py): then the read is cancelled (wherever it is: a read that
+        # has just returned its last chunk too) and the request answered 503, here.
         call = _CALL.get()
         if call is not None:
             call.reading()
-            call.on_preempt = lambda reason: request.content.set_exception(HttpError(Status.UNAVAILABLE, 503, reason))
+            call.on_preempt = functools.partial(_cancel, asyncio.current_task())
         try:
-            return await self._read_chunks(request, limit, flag, call)
+            body = await self._read_chunks(request, limit, flag, call)
+            if call is None or call.preempted is None:
+                return body
+            # (Python 3.11's wait_for drops a cancel that comes as the read it waits for returns: the body ended
+            # then; so does the read loop, at the chunk after such a cancel)
+            raise asyncio.CancelledError
+        except asyncio.CancelledError:
+            if call is None or call.preempted is None:
+                raise
+            uncancel = getattr(asyncio.current_task(), "uncancel", None)  # Python 3.11+ counts cancellations
+            if uncancel is not None and asyncio.current_task().cancelling():  # type: ignore[union-attr]
+                uncancel()
+            raise HttpError(Status.UNAVAILABLE, 503, call.preempted) from None
         finally:
             if call is not None:
                 call.read()
@@ -691,10 +707,31 @@ class RestServer:
             buffer += chunk
             received = end
             if call is not None:
+                if call.preempted is not None:  # ended for a newcomer (its cancel dropped: see _read_body)
+                    raise asyncio.CancelledError
                 call.received = end
         if length is not None and received != length:
             raise invalid(f"the body ended after {received} of its {length} bytes (Content-Length)")
         return buffer
+
+
+def _close_after(response: web.StreamResponse, protocol) -> None:
+    """Close the connection once ``response`` has been written (the rest of an unread body is not read first, as
+    aiohttp would for up to its lingering time)."""
+    write_eof = response.write_eof
+
+    async def then_close(data: bytes = b"") -> None:
+        try:
+            await write_eof(data)
+        finally:
+            protocol.force_close()
+
+    response.write_eof = then_close  # type: ignore[method-assign]
+
+
+def _cancel(task: asyncio.Task | None, reason: str) -> None:
+    if task is not None:
+        task.cancel()
 
 
 def _infer_status(code: Status) -> int:

@@ -7,9 +7,11 @@ import asyncio
 import contextlib
 import gzip
 import json
+import logging
 import socket
 import threading
 import time
+import unittest.mock
 import urllib.error
 import urllib.request
 
@@ -20,6 +22,7 @@ import torch
 from voxserve.client import Client
 from voxserve.datatypes import bf16_bits_to_float32, float32_to_bf16_bits
 from voxserve.kernels import reference_float64, reference_weights
+from voxserve.server.core.errors import ServingError
 from voxserve.server.core.model import relative_error
 from voxserve.server.protocol import admission
 
@@ -527,7 +530,7 @@ class _Sender(threading.Thread):
         self.join()
 
 
-def test_slow_bodies_over_many_connections_yield_their_slots_to_newcomers(monkeypatch):
+def test_slow_bodies_over_many_connections_yield_their_slots_to_newcomers(monkeypatch, caplog):
     """Slow bodies, one per connection, held every RPC slot until --http-timeout-s: each connection held one slot,
     no more than a newcomer's share, so nothing was ended for anyone and every other client (gRPC's too) was
     refused. Now, while the server is full, a request whose body is PREEMPT_IDLE_S behind MIN_BODY_BYTES_PER_S is
@@ -572,6 +575,11 @@ def test_slow_bodies_over_many_connections_yield_their_slots_to_newcomers(monkey
             assert set(replies) == {"trickling", "stalled 0"}, replies  # the furthest behind, in turn
             for reply in replies.values():
                 assert reply.startswith("HTTP/1.1 503") and "slower than" in reply, reply
+            for name in replies:  # then closed, the rest of the body unread (not read for aiohttp's lingering time)
+                sock = trickling if name == "trickling" else stalled[int(name.split()[1])]
+                sock.settimeout(5)
+                with contextlib.suppress(ConnectionResetError):
+                    assert sock.recv(65536) == b""
             assert senders[1].is_alive()  # (still sending)
         finally:
             for sender in senders:
@@ -580,6 +588,59 @@ def test_slow_bodies_over_many_connections_yield_their_slots_to_newcomers(monkey
                 sock.close()
         assert srv.server.metrics.registry.get_sample_value(
             "voxserve_requests_total", {"model": MODEL, "code": "UNAVAILABLE"}) == 2
+    # (the 503 was the whole ending: aiohttp logged no unhandled exception reading the rest of the body)
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], [r.getMessage() for r in caplog.records]
+
+
+@pytest.mark.parametrize("length", [10, None], ids=["Content-Length", "chunked"])
+def test_a_body_ended_for_a_newcomer_just_as_its_last_bytes_came_is_answered_503(length):
+    """The preemption stored an error on the body's stream, raised at its next read: a body whose last read had
+    returned, but whose reader had yet to resume, when a newcomer took its slot was read whole, and its request
+    went on to run without a slot (two calls at a limit of one). Now the read itself is cancelled, wherever it
+    is, and the request answered 503, whatever the turn of the loop at which the newcomer comes."""
+    from aiohttp.streams import StreamReader
+
+    from voxserve.server.protocol.rest import _CALL, HttpError, RestServer
+
+    class Settings:
+        max_message_bytes, http_timeout_s = 1 << 20, 60.0
+
+    class Server:  # what _read_body uses of the REST server
+        settings = Settings()
+        _read_chunks = RestServer._read_chunks
+
+    async def trial(spins: int) -> str:
+        limiter = admission.RpcLimiter(1)
+        call = limiter.admit("http:slow", "/m")
+        _CALL.set(call)
+        content = StreamReader(unittest.mock.Mock(_reading_paused=False), 1 << 16, loop=asyncio.get_running_loop())
+        request = unittest.mock.Mock(headers={}, content_length=length, content=content)
+        reading = asyncio.ensure_future(RestServer._read_body(Server(), request))
+        content.feed_data(b"x" * 5)
+        await asyncio.sleep(PREEMPT_S * 1.5)  # behind 1 MB/s by more than PREEMPT_IDLE_S
+        content.feed_data(b"x" * 5)
+        content.feed_eof()
+        for _ in range(spins):
+            await asyncio.sleep(0)
+        try:
+            limiter.admit("http:newcomer", "/m")
+        except ServingError:
+            await reading
+            return "the body was in before the newcomer came"
+        with pytest.raises(HttpError) as err:
+            await reading
+        assert err.value.http_status == 503 and call.preempted is not None
+        return "503"
+
+    async def trials() -> list[str]:
+        return [await trial(spins) for spins in range(6)]
+
+    with unittest.mock.patch.object(admission, "PREEMPT_IDLE_S", PREEMPT_S):
+        outcomes = asyncio.run(trials())
+    assert "503" in outcomes, outcomes
+
+
+PREEMPT_S = 0.05
 
 
 def test_a_short_body_gets_400():
