@@ -32,9 +32,10 @@ while the server is full, a large message arriving slowly may be ended for a new
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import contextvars
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping
 
 import grpc
 
@@ -105,6 +106,17 @@ _current: contextvars.ContextVar[Call | None] = contextvars.ContextVar("voxserve
 def current_call() -> Call | None:
     """The call the running handler holds its slot for (None outside a limited handler)."""
     return _current.get()
+
+
+@contextlib.contextmanager
+def holding(call: Call) -> Iterator[None]:
+    """``call`` as the ``current_call()`` of the code run inside (a handler admitted with ``RpcLimiter.admit``
+    directly, as the REST front end's are, in a task that may serve further requests)."""
+    token = _current.set(call)
+    try:
+        yield
+    finally:
+        _current.reset(token)
 
 
 class RpcLimiter:

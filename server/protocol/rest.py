@@ -36,7 +36,6 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
-import contextvars
 import fcntl
 import functools
 import logging
@@ -55,7 +54,7 @@ from ..core.errors import ServingError, Status, invalid, shown
 from ..settings import Settings
 from ..topology.ports import bind_address
 from . import rest_codec, security
-from .admission import MIN_BODY_BYTES_PER_S, ByteBudget, Call, RpcLimiter
+from .admission import MIN_BODY_BYTES_PER_S, ByteBudget, Call, RpcLimiter, current_call, holding
 from .control import ControlService
 from .inference import HttpCall, InferenceService
 from .service import MalformedRequest
@@ -78,7 +77,6 @@ ACCEPT_WARN_S = 10.0  # at most one warning this often when connections cannot b
 OPEN_ROUTES = frozenset({"ServerLive", "ServerReady", "ModelReady"})  # --open-health: probes without a token
 INFER_ROUTE = "ModelInfer"
 METHOD_PREFIX = "/v2/rest/"  # how a route is named to on_refused (gRPC's "/service/Method")
-_CALL: contextvars.ContextVar[Call | None] = contextvars.ContextVar("voxserve_rest_call", default=None)  # its slot
 _DENIED = "missing or invalid credentials: send 'Authorization: Bearer <token>'"
 
 
@@ -449,12 +447,12 @@ class RestServer:
             call = self.limiter.admit(_peer(request), method)
         except ServingError as exc:
             return error_response(HTTP_STATUS[exc.code], exc.message, {"Connection": "close"})
-        held = _CALL.set(call)  # (for _read_body)
         self.in_progress += 1
         transport = request.transport
         self.connections.begin(transport)
         try:
-            response = await handler(request)
+            with holding(call):  # (for _read_body)
+                response = await handler(request)
         except ServingError as exc:
             # (a body ended for another call is left unread: the connection cannot carry another request)
             response = error_response(http_status(exc), exc.message,
@@ -468,7 +466,6 @@ class RestServer:
             self.connections.end(transport)
             raise
         finally:
-            _CALL.reset(held)
             self.in_progress -= 1
             self.limiter.release(call)
         # The connection is busy until the response has been written (aiohttp writes it after this returns): a
@@ -655,28 +652,23 @@ class RestServer:
         # count on too, for a bounded time; and, while the server is full, one that falls PREEMPT_IDLE_S behind that
         # rate gives its slot to a newcomer (admission.py): then the read is cancelled (wherever it is: a read that
         # has just returned its last chunk too) and the request answered 503, here.
-        call = _CALL.get()
+        call = current_call()
         if call is not None:
             call.reading()
             call.on_preempt = functools.partial(_cancel, asyncio.current_task())
         try:
             body = await self._read_chunks(request, limit, flag, call)
-            if call is None or call.preempted is None:
-                return body
-            # (Python 3.11's wait_for drops a cancel that comes as the read it waits for returns: the body ended
-            # then; so does the read loop, at the chunk after such a cancel)
-            raise asyncio.CancelledError
         except asyncio.CancelledError:
             if call is None or call.preempted is None:
                 raise
-            uncancel = getattr(asyncio.current_task(), "uncancel", None)  # Python 3.11+ counts cancellations
-            if uncancel is not None and asyncio.current_task().cancelling():  # type: ignore[union-attr]
-                uncancel()
-            raise HttpError(Status.UNAVAILABLE, 503, call.preempted) from None
+            raise _ended_for_newcomer(call) from None
         finally:
             if call is not None:
                 call.read()
                 call.on_preempt = None
+        if call is not None and call.preempted is not None:  # (its cancel dropped as the last read returned)
+            raise _ended_for_newcomer(call)
+        return body
 
     async def _read_chunks(self, request: web.Request, limit: int, flag: str, call: Call | None) -> bytearray:
         """``_read_body``'s reading: the buffer grows with what arrives (memory follows the bytes received, not the
@@ -707,8 +699,8 @@ class RestServer:
             buffer += chunk
             received = end
             if call is not None:
-                if call.preempted is not None:  # ended for a newcomer (its cancel dropped: see _read_body)
-                    raise asyncio.CancelledError
+                if call.preempted is not None:  # ended for a newcomer, its cancel dropped (_ended_for_newcomer)
+                    raise _ended_for_newcomer(call)
                 call.received = end
         if length is not None and received != length:
             raise invalid(f"the body ended after {received} of its {length} bytes (Content-Length)")
@@ -732,6 +724,16 @@ def _close_after(response: web.StreamResponse, protocol) -> None:
 def _cancel(task: asyncio.Task | None, reason: str) -> None:
     if task is not None:
         task.cancel()
+
+
+def _ended_for_newcomer(call: Call) -> HttpError:
+    """The 503 of a request whose body was ended for a newcomer (``call.preempted`` says why), its read's cancel
+    taken back. The cancel may have come as a read returned, where Python 3.11's wait_for drops it: the read then
+    goes on, and the preemption is seen at the next chunk or at the body's end instead."""
+    task = asyncio.current_task()
+    if task is not None and getattr(task, "cancelling", lambda: 0)():  # (Python 3.11+ counts cancellations)
+        task.uncancel()
+    return HttpError(Status.UNAVAILABLE, 503, call.preempted or "")
 
 
 def _infer_status(code: Status) -> int:
