@@ -280,6 +280,11 @@ async def unary(call, body: bytes, timeout_s: float, compression=None, details: 
         return exc.code().name
 
 
+def _reply_code(data: bytes) -> str:
+    """What an HTTP attacker was told: the reply's protocol and status ("HTTP/1.1 503"), or that none came."""
+    return " ".join(data.split(b"\r\n")[0].decode("latin-1").split()[:2]) if data else "closed, no reply"
+
+
 def aio_channel(server: ServerProcess) -> grpc.aio.Channel:
     return grpc.aio.insecure_channel(server.url, options=channel_options())
 
@@ -384,8 +389,7 @@ async def slow_bodies(server: ServerProcess, good: GoodClient) -> Outcome:
                         continue
                     except OSError:
                         data = b""
-                    out.codes["closed, no reply" if not data else " ".join(data.split(b"\r\n")[0].decode(
-                        "latin-1").split()[:2])] += 1
+                    out.codes[_reply_code(data)] += 1
                     s.close()
                     socks[i] = begun()
                 time.sleep(TRICKLE_S)
@@ -620,8 +624,7 @@ async def metrics_half_sent(server: ServerProcess, good: GoodClient) -> Outcome:
                 except OSError:
                     out.codes["reset"] += 1
                     continue
-                out.codes["closed, no reply" if not data else " ".join(data.split(b"\r\n")[0].decode(
-                    "latin-1").split()[:2])] += 1
+                out.codes[_reply_code(data)] += 1
         finally:
             sel.close()
             for s in socks:
