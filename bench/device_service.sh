@@ -14,6 +14,7 @@
 #             GB/s of 25 MB messages; more measure the server rather than the client).
 #   ENGINES=N (default 1): engine processes behind the front ends (--replicas N; on one GPU they share it).
 #   TABLES=a,b: only these of service_bench's tables (--tables; e.g. shm,cuda_shm,batch1,cuda_shm_batch1).
+#   MAX_BATCH=N: every server's most samples in one execution (--max-batch; default the full batch's 128).
 #   COMMIT=SHA: the commit measured, named in the report (the device's copy of the tree has older git metadata).
 # Writes $OUT/service-<device>.md and $OUT/service.log. The whole run stays within LIMIT_S (590) seconds.
 set -uo pipefail
@@ -47,5 +48,6 @@ echo "service_bench: ${left} s left; MLServer: ${MLS[*]:-not run}; Triton: ${TRI
 PYTHONUNBUFFERED=1 timeout "$left" python3 bench/service_bench.py --frontends "${FRONTENDS:-6}" --processes 8 \
   --connections 16 --full-concurrency "${FULL_CONCURRENCY:-1,4,16}" --duration "${DURATION:-5}" "${MLS[@]}" \
   "${TRITON[@]}" "${NATIVE[@]}" --engines "${ENGINES:-1}" \
-  --full-processes "${FULL_PROCESSES:-1}" ${COMMIT:+--commit "$COMMIT"} ${TABLES:+--tables "$TABLES"} --out "$OUT/service-$name.md" > /dev/null
+  --full-processes "${FULL_PROCESSES:-1}" ${COMMIT:+--commit "$COMMIT"} ${TABLES:+--tables "$TABLES"} \
+  ${MAX_BATCH:+--max-batch "$MAX_BATCH"} --out "$OUT/service-$name.md" > /dev/null
 tail -20 "$OUT/service-$name.md"

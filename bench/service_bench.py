@@ -186,11 +186,11 @@ def triton_rows(args, out: dict[str, list[LevelResult]], full: np.ndarray, notes
     n32, n16, n1 = full.nbytes, len(to_wire(full, "FP16")), one.nbytes
     try:
         with triton_server(args.triton, instances=args.triton_instances, device=args.device,
-                           max_batch=args.batch) as triton:
+                           max_batch=max_batch(args)) as triton:
             notes.append(f"{TRITON}: Triton Inference Server {triton.version} (nvidia-pytriton 0.7.0's tritonserver), "
                          f"Python backend running voxserve's Model (bench/triton_peer/), models "
                          f"{', '.join(triton.models.values())}, {triton.instances} instances each, dynamic batching "
-                         f"(max_batch_size {args.batch}, no queue delay)")
+                         f"(max_batch_size {max_batch(args)}, no queue delay)")
             m32, m16 = triton.models["FP32"], triton.models["FP16"]
             fp32 = build_request(full, m32, "FP32").SerializeToString()
             fp16 = build_request(full, m16, "FP16").SerializeToString()
@@ -219,6 +219,11 @@ def triton_rows(args, out: dict[str, list[LevelResult]], full: np.ndarray, notes
         traceback.print_exc()
         notes.append(f"{TRITON}: failed part way ({type(exc).__name__}: {str(exc).splitlines()[0]}); its rows so far "
                      "are below")
+
+
+def max_batch(args) -> int:
+    """Every server's most samples in one execution."""
+    return args.max_batch or args.batch
 
 
 def frontend_configurations(args) -> list[tuple[str, int, list[str]]]:
@@ -285,7 +290,7 @@ def run(args, notes: list[str], checkpoint: Callable[[dict[str, list[LevelResult
                 out["full"].append(level(sink, fp32, args.batch, n32, c, "raw sink", d, fp))
     # --max-json-bytes: the full batch as JSON (~130 MB) is a row of its own; the default (16 MiB) refuses it.
     serve = ["--device", args.device, "--max-message-bytes", str(512 * 1024 * 1024), "--max-json-bytes",
-             str(256 * 1024 * 1024)]
+             str(256 * 1024 * 1024), "--max-batch", str(max_batch(args))]
     voxserve_rows(args, out, serve, "voxserve", payloads, notes)
     checkpoint(out)
     for name, frontends, flags in frontend_configurations(args):
@@ -339,7 +344,8 @@ def render(args, out: dict[str, list[LevelResult]], device: str, seconds: float,
              f"- command: `{shlex.join(['python', 'bench/service_bench.py', *sys.argv[1:]])}` ({seconds:.0f} s)",
              f"- commit: {provenance.commit(args.commit)}",
              f"- requests: ({args.batch}, {', '.join(map(str, SAMPLE))}) for the full batch, (1, "
-             f"{', '.join(map(str, SAMPLE))}) for batch 1; {args.duration:.0f} s per level",
+             f"{', '.join(map(str, SAMPLE))}) for batch 1; {args.duration:.0f} s per level; every "
+             f"server's most samples in one execution: {max_batch(args)}",
              *(f"- {note}" for note in notes), ""]
     tables, out = out, {key: out.get(key, []) for key in TITLES}  # (the targets read every table: empty if not run)
     for key, rows in tables.items():
@@ -428,6 +434,9 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="auto", help="voxserve's --device")
     parser.add_argument("--batch", type=int, default=128, help="samples in a full batch")
+    parser.add_argument("--max-batch", type=int, default=None,
+                        help="most samples in one execution, every server's (voxserve's --max-batch, Triton's "
+                        "max_batch_size; default --batch): above --batch the batchers merge full batches")
     parser.add_argument("--full-concurrency", type=lambda t: [int(v) for v in t.split(",")], default=[1, 4])
     parser.add_argument("--duration", type=float, default=5.0, help="seconds per level")
     parser.add_argument("--mlserver-python", default=None, help="a Python with mlserver and torch installed")
