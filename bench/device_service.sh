@@ -14,6 +14,8 @@
 #             GB/s of 25 MB messages; more measure the server rather than the client).
 #   ENGINES=N (default 1): engine processes behind the front ends (--replicas N; on one GPU they share it).
 #   TABLES=a,b: only these of service_bench's tables (--tables; e.g. shm,cuda_shm,batch1,cuda_shm_batch1).
+#   CONNECTIONS=N (default 16): connections of the batch-1 client in all, over its 8 processes (each front end gets
+#             those the kernel hashes to it: bench/results/batch1-wire-vs-cuda-shm-h200-2026-12-04.md).
 #   MAX_BATCH=N: every server's most samples in one execution (--max-batch; default the full batch's 128).
 #   COMMIT=SHA: the commit measured, named in the report (the device's copy of the tree has older git metadata).
 # Writes $OUT/service-<device>.md and $OUT/service.log. The whole run stays within LIMIT_S (590) seconds.
@@ -46,7 +48,7 @@ name=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | tr 'A-Z ' '
 left=$(( ${LIMIT_S:-590} - SECONDS ))
 echo "service_bench: ${left} s left; MLServer: ${MLS[*]:-not run}; Triton: ${TRITON[*]:-not carried}; native: ${NATIVE[*]:-not carried}"
 PYTHONUNBUFFERED=1 timeout "$left" python3 bench/service_bench.py --frontends "${FRONTENDS:-6}" --processes 8 \
-  --connections 16 --full-concurrency "${FULL_CONCURRENCY:-1,4,16}" --duration "${DURATION:-5}" "${MLS[@]}" \
+  --connections "${CONNECTIONS:-16}" --full-concurrency "${FULL_CONCURRENCY:-1,4,16}" --duration "${DURATION:-5}" "${MLS[@]}" \
   "${TRITON[@]}" "${NATIVE[@]}" --engines "${ENGINES:-1}" \
   --full-processes "${FULL_PROCESSES:-1}" ${COMMIT:+--commit "$COMMIT"} ${TABLES:+--tables "$TABLES"} \
   ${MAX_BATCH:+--max-batch "$MAX_BATCH"} --out "$OUT/service-$name.md" > /dev/null
