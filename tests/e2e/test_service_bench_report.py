@@ -34,7 +34,8 @@ def _targets(text: str) -> dict[str, tuple[str, str]]:
 
 
 def test_the_report_says_which_targets_the_rows_meet(service_bench):
-    args = argparse.Namespace(batch=128, duration=3.0, frontends=0, native_frontends=0, engines=1, commit="abc1234")
+    args = argparse.Namespace(batch=128, duration=3.0, frontends=0, native_frontends=0, engines=1, commit="abc1234",
+                              max_batch=None)
     out = {key: [] for key in ("full", "fp16", "shm", "cuda_shm", "batch1", "cuda_shm_batch1", "rest_full",
                                "rest_batch1")}
     out["full"] += [_row("raw sink", 100, 128, 1), _row("voxserve", 95, 128, 1), _row("Triton", 50, 128, 1)]
@@ -66,7 +67,8 @@ def test_the_report_says_which_targets_the_rows_meet(service_bench):
 def test_the_shared_memory_targets_take_the_front_ends_rows_too(service_bench):
     """With --frontends, the best of the one-process and the front-end rows meets a shared-memory goal, and the batch-1
     ratio of CUDA shared memory to the wire is stated for each topology."""
-    args = argparse.Namespace(batch=128, duration=3.0, frontends=12, native_frontends=12, engines=1, commit=None)
+    args = argparse.Namespace(batch=128, duration=3.0, frontends=12, native_frontends=12, engines=1, commit=None,
+                              max_batch=None)
     fe = "voxserve --frontends 12"
     out = {key: [] for key in ("full", "fp16", "shm", "cuda_shm", "batch1", "cuda_shm_batch1", "rest_full",
                                "rest_batch1")}
@@ -126,14 +128,51 @@ def test_tables_runs_only_the_levels_of_the_tables_asked_for(service_bench, monk
     args = argparse.Namespace(batch=128, duration=1.0, frontends=0, native_frontends=4, engines=2, commit=None,
                               device="auto", full_concurrency=[1, 16], processes=1, full_processes=1, connections=1,
                               triton=None, mlserver_python=None, mlserver_pythonpath=None,
-                              tables=["cuda_shm_batch1", "batch1"])
+                              tables=["cuda_shm_batch1", "batch1"], max_batch=None)
     out = service_bench.run(args, [], lambda rows: None)
     native = "voxserve --frontends 4, native, 2 engines"
     assert levels == [("voxserve", 1, 64), ("voxserve", 1, 64), ("voxserve, no batching", 1, 64),
                       (native, 1, 64), (native, 1, 64), (f"{native}, no batching", 1, 64)]
     assert len(servers) == 4 and sum("--no-batching" in flags for flags in servers) == 2
+    assert [flags[flags.index("--max-batch") + 1] for flags in servers] == ["128"] * 4  # (--batch: the default)
     assert list(out) == ["batch1", "cuda_shm_batch1"]
     text = service_bench.render(args, out, "test GPU", 1.0, [])
     assert [line for line in text.splitlines() if line.startswith("## ")] == [
         "## Batch 1 at concurrency 64", "## Batch 1 in CUDA shared memory at concurrency 64", "## Against the targets"]
     assert _targets(text)["full-batch FP32 vs raw gRPC ceiling"] == ("-", "not measured")
+
+
+def test_max_batch_is_every_servers_limit_and_the_report_names_it(service_bench, monkeypatch):
+    """--max-batch 512: every voxserve server runs with --max-batch 512, Triton's models get max_batch_size 512, and
+    the report's header says so; the full batch sent stays --batch's 128 samples."""
+    import contextlib
+
+    servers, levels, tritons = [], [], []
+
+    @contextlib.contextmanager
+    def server(flags):
+        servers.append(flags)
+        yield argparse.Namespace(url="127.0.0.1:1", http_port=2)
+
+    def level(url, payload, samples, tensor_bytes, concurrency, target, *rest, **options):
+        levels.append((target, samples))
+        return _row(target, 100, samples, concurrency)
+
+    def triton(wheel, **options):
+        tritons.append(options["max_batch"])
+        raise service_bench.TritonUnavailable("not here")
+
+    monkeypatch.setattr(service_bench, "ServerProcess", server)
+    monkeypatch.setattr(service_bench, "level", level)
+    monkeypatch.setattr(service_bench, "triton_server", triton)
+    monkeypatch.setattr(service_bench, "setup_shared_memory", lambda *a: (b"request", lambda: None))
+    args = argparse.Namespace(batch=128, duration=1.0, frontends=0, native_frontends=4, engines=1, commit=None,
+                              device="cpu", full_concurrency=[16], processes=1, full_processes=1, connections=1,
+                              triton="wheel", triton_instances=2, mlserver_python=None, mlserver_pythonpath=None,
+                              tables=["shm"], max_batch=512)
+    notes: list[str] = []
+    out = service_bench.run(args, notes, lambda rows: None)
+    assert len(servers) == 2 and all(flags[flags.index("--max-batch") + 1] == "512" for flags in servers)
+    assert tritons == [512]
+    assert levels == [("voxserve", 128), ("voxserve --frontends 4, native", 128)]
+    assert "every server's most samples in one execution: 512" in service_bench.render(args, out, "test", 1.0, notes)
