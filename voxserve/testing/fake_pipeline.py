@@ -56,8 +56,10 @@ class FakePipeline:
 
     native = None
 
-    def __init__(self, depth: int = 2) -> None:
+    def __init__(self, depth: int = 2, gpu_s: float = 0.0005) -> None:
         self.depth = depth
+        self.gpu_s = gpu_s  # each execution's time on the "stream"
+        self._waiting = threading.Event()  # (never set: the stream's timer)
         self.completion_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
         self.fail_submit: set[int] = set()  # sample counts whose enqueue raises
         self.fail_event: set[int] = set()  # sample counts whose execution ends in an error
@@ -146,7 +148,8 @@ class FakePipeline:
                     return
                 pending = self._stream.pop(0)
             self.hold.wait()
-            threading.Event().wait(0.0005)  # the GPU's time
+            if self.gpu_s:
+                self._waiting.wait(self.gpu_s)  # the GPU's time
             pending.events[-1].end()
             self.finished += 1
             os.eventfd_write(self.completion_fd, 1)
@@ -164,10 +167,10 @@ class FakePipeline:
 class FakeGpuModel:
     """What the runner asks of a model on a GPU."""
 
-    def __init__(self, max_batch: int, depth: int = 2) -> None:
+    def __init__(self, max_batch: int, depth: int = 2, gpu_s: float = 0.0005) -> None:
         self.device = torch.device("cuda", 0)  # (only named: nothing runs on it)
         self.max_batch = max_batch
-        self.pipeline = self.gpu_pipeline = FakePipeline(depth)
+        self.pipeline = self.gpu_pipeline = FakePipeline(depth, gpu_s)
         self.recovered = 0
 
     def recover(self) -> str | None:
