@@ -35,11 +35,11 @@ SHAPE = (1, 3, 3, 3, 3)
 GPU_S = 20e-6  # --gpu-path: the stand-in's time per execution (a small batch's kernel, about)
 
 
-def engine_main(path: str, batching: bool, gpu_path: bool = False) -> None:
+def engine_main(path: str, batching: bool, gpu_path: bool = False, event_loop: str = "asyncio") -> None:
     from voxserve.server.settings import Settings
     from voxserve.server.topology.engine import run_engine
 
-    settings = Settings(device="cpu", batching=batching, log_level="WARNING")
+    settings = Settings(device="cpu", batching=batching, log_level="WARNING", event_loop=event_loop)
     if gpu_path:
         _fake_gpu_engine(settings, path)
     else:
@@ -94,10 +94,12 @@ async def drive(path: str, engine_pid: int, concurrency: int, seconds: float, ba
             "mean_batch": samples / done}
 
 
-def probe(concurrency: int, seconds: float, batching: bool, gpu_path: bool = False) -> dict:
+def probe(concurrency: int, seconds: float, batching: bool, gpu_path: bool = False,
+          event_loop: str = "asyncio") -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "engine.sock")
-        proc = multiprocessing.get_context("spawn").Process(target=engine_main, args=(path, batching, gpu_path))
+        proc = multiprocessing.get_context("spawn").Process(target=engine_main, args=(path, batching, gpu_path,
+                                                                                            event_loop))
         proc.start()
         try:
             return asyncio.run(drive(path, proc.pid, concurrency, seconds, batching))
@@ -110,6 +112,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--concurrency", type=lambda t: [int(v) for v in t.split(",")], default=[8, 64])
     ap.add_argument("--seconds", type=float, default=5.0)
+    ap.add_argument("--event-loop", default="asyncio", help="the engine's --event-loop (asyncio, uvloop)")
     ap.add_argument("--gpu-path", action="store_true",
                     help="the engine's runner takes the GPU path, with a stand-in pipeline (no GPU needed)")
     ap.add_argument("--out", default=None, help="also write the table here (markdown)")
@@ -118,7 +121,7 @@ def main() -> int:
             "|---:|---|---:|---:|---:|---:|"]
     for c in args.concurrency:
         for batching in (True, False):
-            r = probe(c, args.seconds, batching, args.gpu_path)
+            r = probe(c, args.seconds, batching, args.gpu_path, args.event_loop)
             rows.append(f"| {c} | {'on' if batching else 'off'} | {r['req_s']:.0f} | {r['mean_batch']:.1f} | "
                         f"{r['engine_us']:.0f} | {r['frontend_us']:.0f} |")
             print(rows[-1], flush=True)
