@@ -10,8 +10,9 @@ process and of this (the front end's) process, from /proc.
 
 Each concurrency runs with batching on and off, each against a fresh engine. With ``--gpu-path`` the engine's
 model is voxserve.testing.fake_pipeline's stand-in for a GPU: its runner takes the GPU path (executions enqueued
-on the loop, ended through the completion watcher's eventfd, as on a device) and the stand-in's work per execution
-is a few microseconds, so the engine's own per-request work is what is measured, on a machine without a GPU.
+on the loop, ended through the completion watcher's eventfd, as on a device), 20 us of "GPU" an execution, so the
+engine's own work is what is measured, on a machine without a GPU; the stand-in's own host work (a numpy mean, a
+threading.Event: about a third of an execution's engine CPU on the 2-core box) is counted in it.
 """
 
 from __future__ import annotations
