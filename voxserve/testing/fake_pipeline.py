@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import queue
 import threading
+import time
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -59,7 +60,6 @@ class FakePipeline:
     def __init__(self, depth: int = 2, gpu_s: float = 0.0005) -> None:
         self.depth = depth
         self.gpu_s = gpu_s  # each execution's time on the "stream"
-        self._waiting = threading.Event()  # (never set: the stream's timer)
         self.completion_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
         self.fail_submit: set[int] = set()  # sample counts whose enqueue raises
         self.fail_event: set[int] = set()  # sample counts whose execution ends in an error
@@ -148,8 +148,7 @@ class FakePipeline:
                     return
                 pending = self._stream.pop(0)
             self.hold.wait()
-            if self.gpu_s:
-                self._waiting.wait(self.gpu_s)  # the GPU's time
+            time.sleep(self.gpu_s)  # the GPU's time
             pending.events[-1].end()
             self.finished += 1
             os.eventfd_write(self.completion_fd, 1)
