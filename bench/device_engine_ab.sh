@@ -15,9 +15,7 @@ OUT=${OUT:-$PWD/device-out}
 mkdir -p "$OUT"
 source bench/device_env.sh > /dev/null 2>&1 || { echo "device_env failed"; exit 1; }
 export VOXSERVE_KERNEL_CACHE=${VOXSERVE_KERNEL_CACHE:-$PWD/.build/kcache}
-mkdir -p /tmp/voxserve-native && tar -C /tmp/voxserve-native -xJf .native/voxserve-native.tar.xz || exit 1
-export VOXSERVE_NATIVE_FRONTEND=/tmp/voxserve-native/voxserve-frontend
-export LD_LIBRARY_PATH=/tmp/voxserve-native/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+native_frontend_env || { echo ".native/ not carried (bash bench/native_carry.sh)"; exit 1; }
 python3 -c "from voxserve.kernels import build; build.build()" > /dev/null 2>&1 || { echo "kernel build failed"; exit 1; }
 N="--frontends 12 --frontend-impl native"
 split() {  # split <name> <bench flags> <configurations...>

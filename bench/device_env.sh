@@ -3,6 +3,14 @@
 # cannot install it offline. Used by the device_*.sh scripts.
 # .whl-tools/ (what only the tests and probes import: bench/device_wheels.sh) travels only with the calls that need it, so that a
 # service benchmark's call has room for its peers.
+# It also defines native_frontend_env: the native front end carried in .native/ (bench/native_carry.sh) unpacked, and
+# VOXSERVE_NATIVE_FRONTEND and LD_LIBRARY_PATH pointed at it; fails when it is not carried.
+native_frontend_env() {
+  [ -f .native/voxserve-native.tar.xz ] || return 1
+  mkdir -p /tmp/voxserve-native && tar -C /tmp/voxserve-native -xJf .native/voxserve-native.tar.xz || return 1
+  export VOXSERVE_NATIVE_FRONTEND=/tmp/voxserve-native/voxserve-frontend
+  export LD_LIBRARY_PATH=/tmp/voxserve-native/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+}
 if compgen -G ".whl/*.whl" > /dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     $(compgen -G ".whl-tools/*.whl")

@@ -15,11 +15,7 @@ export PYTHONUNBUFFERED=1
 source bench/device_env.sh > /dev/null 2>&1 || { echo "device_env failed"; exit 1; }
 python3 -c "from voxserve.kernels import build; build.build()" > "$OUT/build.txt" 2>&1 || { tail "$OUT/build.txt"; exit 1; }
 commit=$(git rev-parse --short HEAD 2>/dev/null || echo unknown)
-if [ -f .native/voxserve-native.tar.xz ]; then
-  mkdir -p /tmp/voxserve-native && tar -C /tmp/voxserve-native -xJf .native/voxserve-native.tar.xz
-  export VOXSERVE_NATIVE_FRONTEND=/tmp/voxserve-native/voxserve-frontend
-  export LD_LIBRARY_PATH=/tmp/voxserve-native/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
-fi
+native_frontend_env || true  # (without it the native front end's tests skip)
 ran=" "  # the files named as arguments: run first, and left out of the default suites
 left_s() { echo $(( ${LIMIT_S:-590} - SECONDS - 10 )); }
 suite() {  # suite <timeout> <pytest args...>

@@ -37,10 +37,7 @@ if [ "${TESTS:-1}" != 0 ]; then
   timeout 300 python3 -m pytest -q tests/core/test_pipeline_gpu.py tests/topology/test_frontends.py 2>&1 | tail -3
 fi
 NATIVE=()
-if [ -f .native/voxserve-native.tar.xz ]; then
-  mkdir -p /tmp/voxserve-native && tar -C /tmp/voxserve-native -xJf .native/voxserve-native.tar.xz
-  export VOXSERVE_NATIVE_FRONTEND=/tmp/voxserve-native/voxserve-frontend
-  export LD_LIBRARY_PATH=/tmp/voxserve-native/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+if native_frontend_env; then
   if ldd "$VOXSERVE_NATIVE_FRONTEND" | grep "not found"; then echo "native front end: libraries missing (above)"
   else NATIVE=(--native-frontends "${NATIVE_FRONTENDS:-${FRONTENDS:-6}}"); fi
 fi
