@@ -100,13 +100,12 @@ def test_front_end_configurations_name_their_engines(service_bench):
         ("voxserve --frontends 12, 2 engines", 12, ["--replicas", "2"])]
 
 
-def test_tables_runs_only_the_levels_of_the_tables_asked_for(service_bench, monkeypatch):
-    """--tables cuda_shm_batch1,batch1: batch-1 levels on the wire and in CUDA shared memory, in process and through
-    front ends, with and without batching; no raw sink, no full-batch level, no REST, no system shared memory; the
-    report holds those two tables only."""
+def _stand_ins(service_bench, monkeypatch) -> tuple[list, list]:
+    """Servers and levels that run nothing: the flags each server was started with, and each level's (target,
+    samples, concurrency), in order."""
     import contextlib
 
-    levels, servers = [], []
+    servers, levels = [], []
 
     @contextlib.contextmanager
     def server(flags):
@@ -117,11 +116,20 @@ def test_tables_runs_only_the_levels_of_the_tables_asked_for(service_bench, monk
         levels.append((target, samples, concurrency))
         return _row(target, 100, samples, concurrency)
 
+    monkeypatch.setattr(service_bench, "ServerProcess", server)
+    monkeypatch.setattr(service_bench, "level", level)
+    return servers, levels
+
+
+def test_tables_runs_only_the_levels_of_the_tables_asked_for(service_bench, monkeypatch):
+    """--tables cuda_shm_batch1,batch1: batch-1 levels on the wire and in CUDA shared memory, in process and through
+    front ends, with and without batching; no raw sink, no full-batch level, no REST, no system shared memory; the
+    report holds those two tables only."""
+    servers, levels = _stand_ins(service_bench, monkeypatch)
+
     def refused(*args, **kwargs):
         raise AssertionError("not asked for")
 
-    monkeypatch.setattr(service_bench, "ServerProcess", server)
-    monkeypatch.setattr(service_bench, "level", level)
     monkeypatch.setattr(service_bench, "setup_cuda_shared_memory", lambda *a: (b"request", lambda: None))
     for name in ("raw_sink", "setup_shared_memory", "rest_level", "mlserver"):
         monkeypatch.setattr(service_bench, name, refused)
@@ -145,25 +153,13 @@ def test_tables_runs_only_the_levels_of_the_tables_asked_for(service_bench, monk
 def test_max_batch_is_every_servers_limit_and_the_report_names_it(service_bench, monkeypatch):
     """--max-batch 512: every voxserve server runs with --max-batch 512, Triton's models get max_batch_size 512, and
     the report's header says so; the full batch sent stays --batch's 128 samples."""
-    import contextlib
-
-    servers, levels, tritons = [], [], []
-
-    @contextlib.contextmanager
-    def server(flags):
-        servers.append(flags)
-        yield argparse.Namespace(url="127.0.0.1:1", http_port=2)
-
-    def level(url, payload, samples, tensor_bytes, concurrency, target, *rest, **options):
-        levels.append((target, samples))
-        return _row(target, 100, samples, concurrency)
+    servers, levels = _stand_ins(service_bench, monkeypatch)
+    tritons = []
 
     def triton(wheel, **options):
         tritons.append(options["max_batch"])
         raise service_bench.TritonUnavailable("not here")
 
-    monkeypatch.setattr(service_bench, "ServerProcess", server)
-    monkeypatch.setattr(service_bench, "level", level)
     monkeypatch.setattr(service_bench, "triton_server", triton)
     monkeypatch.setattr(service_bench, "setup_shared_memory", lambda *a: (b"request", lambda: None))
     args = argparse.Namespace(batch=128, duration=1.0, frontends=0, native_frontends=4, engines=1, commit=None,
@@ -174,5 +170,5 @@ def test_max_batch_is_every_servers_limit_and_the_report_names_it(service_bench,
     out = service_bench.run(args, notes, lambda rows: None)
     assert len(servers) == 2 and all(flags[flags.index("--max-batch") + 1] == "512" for flags in servers)
     assert tritons == [512]
-    assert levels == [("voxserve", 128), ("voxserve --frontends 4, native", 128)]
+    assert levels == [("voxserve", 128, 16), ("voxserve --frontends 4, native", 128, 16)]
     assert "every server's most samples in one execution: 512" in service_bench.render(args, out, "test", 1.0, notes)
